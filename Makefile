@@ -1,0 +1,27 @@
+# One-command set-up on a fresh machine. See README.md.
+PY ?= python3
+VENV ?= .venv
+VPY := $(VENV)/bin/python
+# CPU machines: install the local CPU build of torch first (see ../shared/env-notes.md);
+# with an NVIDIA GPU, let pip resolve torch>=2.11 normally.
+TORCH_CPU ?= torch==2.13.0
+
+.PHONY: venv test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(VPY) -m pip install -q "$(TORCH_CPU)"; fi
+	$(VPY) -m pip install -q -e ".[test]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+test: venv
+	OMP_NUM_THREADS=2 $(VPY) -m pytest -q tests
+
+bench: venv
+	OMP_NUM_THREADS=2 $(VENV)/bin/lrmoe bench layer --threads 2 --out results/bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info
