@@ -124,20 +124,26 @@ def waterfill_quota(demand_E: torch.Tensor, n_keep: int, min_keep: int = 0) -> t
 
 def compute_quota(demand_E, drop_ratio: float, policy: str = "waterfill", **kwargs):
     """Per-expert retention quotas for ``drop_ratio``; accepts and returns torch tensors or numpy arrays."""
-    fn = get_quota_policy(policy)
+    get_quota_policy(policy)
     as_numpy = isinstance(demand_E, np.ndarray)
     d = torch.as_tensor(np.asarray(demand_E) if as_numpy else demand_E).to(torch.int64)
     if d.dim() != 1:
         raise ValueError(f"demand must be a 1-D per-expert count, got shape {tuple(d.shape)}")
-    P = int(d.sum()) if d.device.type == "cpu" else None
-    if P is None:
-        # Device tensors: the caller usually knows P (= T*K) on the host; fall back to one sync.
-        P = int(d.sum().item())
-    n_keep = retained_total(P, drop_ratio)
-    q = d.clone() if n_keep == P else fn(d, n_keep, **kwargs).to(torch.int64)
+    n_keep = retained_total(int(d.sum()), drop_ratio)
+    q = quota_for(d, n_keep, policy, **kwargs)
+    return q.numpy() if as_numpy else q
+
+
+def quota_for(demand_E: torch.Tensor, n_keep: int, policy: str = "waterfill", **kwargs) -> torch.Tensor:
+    """Quotas summing to ``n_keep`` (host-known), without host synchronisation on accelerators.
+
+    The contract is checked when the demand lives on the CPU (where checking is free)."""
+    fn = get_quota_policy(policy)
+    d = demand_E.to(torch.int64)
+    q = fn(d, n_keep, **kwargs).to(torch.int64)
     if d.device.type == "cpu":
         _check_quota(d, q, n_keep, policy)
-    return q.numpy() if as_numpy else q
+    return q
 
 
 def _check_quota(d: torch.Tensor, q: torch.Tensor, n_keep: int, policy: str) -> None:

@@ -1,0 +1,193 @@
+"""The selective experts function: full forward over every routed pair, pruned compacted backward.
+
+Forward (every pair is computed; see design.md):
+  1. stable sort of pairs by expert -> permutation, demand d_e, offsets;
+  2. retention quotas q_e fixed from the demand, before the expert GEMMs;
+  3. X = x[token], GU = X W_gu^T, h = silu(gate) * up, O = h W_d^T (grouped GEMMs);
+  4. y_t = sum_k alpha_{t,k} O_{t,k} (deterministic batched reduction); ||h_u||^2 recorded.
+Backward, given g = dL/dy:
+  1. dL/dalpha_u = g_t . O_u for every pair (exact, kept or not);
+  2. scores R_u = scorer(alpha, g, phi); per expert keep the q_e best (ties: lower pair index;
+     non-finite scores first);
+  3. compact the kept rows (alpha*g, GU, X) into contiguous per-expert buffers;
+  4. grouped GEMMs over kept rows only: dW_d, dh, SwiGLU backward, dW_gu, dX; scatter-add dX.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .kernels.grouped_gemm import grouped_mm
+from .kernels.routing import kept_positions, select_top_quota, sort_pairs_by_expert
+from .policy import BackwardPolicy, BackwardRecord
+from .quota import quota_for, retained_total
+from .scorers import ScoreInputs, get_scorer
+
+
+def _check_inputs(hidden_TH, top_k_index_TK, top_k_weights_TK, gate_up_proj, down_proj):
+    if hidden_TH.dim() != 2:
+        raise ValueError(f"hidden_TH must be [T, H], got shape {tuple(hidden_TH.shape)}")
+    T, H = hidden_TH.shape
+    if gate_up_proj.dim() != 3 or down_proj.dim() != 3:
+        raise ValueError("gate_up_proj must be [E, 2I, H] and down_proj [E, H, I], got "
+                         f"{tuple(gate_up_proj.shape)} and {tuple(down_proj.shape)}")
+    E, I2, H_w = gate_up_proj.shape
+    if H_w != H or I2 % 2 or tuple(down_proj.shape) != (E, H, I2 // 2):
+        raise ValueError(f"expert weights do not match hidden size {H}: gate_up_proj {tuple(gate_up_proj.shape)} "
+                         f"(expected [E, 2I, {H}]), down_proj {tuple(down_proj.shape)} (expected [E, {H}, I])")
+    if top_k_index_TK.dim() != 2 or top_k_index_TK.shape[0] != T or top_k_weights_TK.shape != top_k_index_TK.shape:
+        raise ValueError(f"top_k_index and top_k_weights must both be [T={T}, K], got "
+                         f"{tuple(top_k_index_TK.shape)} and {tuple(top_k_weights_TK.shape)}")
+    if top_k_index_TK.dtype.is_floating_point or top_k_index_TK.dtype == torch.bool:
+        raise ValueError(f"top_k_index must be an integer tensor, got {top_k_index_TK.dtype}")
+    if top_k_index_TK.device.type == "cpu" and top_k_index_TK.numel():
+        lo, hi = int(top_k_index_TK.min()), int(top_k_index_TK.max())
+        if lo < 0 or hi >= E:
+            raise ValueError(f"expert indices must be in [0, {E - 1}], got values in [{lo}, {hi}]")
+
+
+def _swiglu(gu: torch.Tensor) -> torch.Tensor:
+    gate, up = gu.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _swiglu_backward(gu: torch.Tensor, dh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (h, dGU) for h = silu(gate) * up, given dL/dh."""
+    gate, up = gu.chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    dgu = torch.cat([dh * up * (sig * (1 + gate * (1 - sig))), dh * silu], dim=-1)
+    return silu * up, dgu
+
+
+def _acc_dtype(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(a.dtype, b.dtype)
+
+
+def expert_backward(G_NH, GU_N2I, X_NH, offs_E, gate_up_proj, down_proj, backend="auto"):
+    """Grouped-GEMM backward of the SwiGLU experts over the given rows (kept rows in compact mode).
+
+    G = alpha * dL/dy rows, GU = saved gate/up pre-activations, X = expert inputs, all in the
+    same expert-contiguous order described by ``offs_E``. Returns (dX [N, H], dW_gu, dW_d)."""
+    dh = grouped_mm(G_NH, down_proj, offs_E, backend=backend)  # [N, I]
+    h, dGU = _swiglu_backward(GU_N2I, dh)
+    dW_d = grouped_mm(G_NH.t(), h, offs_E, backend=backend)  # [E, H, I]
+    dW_gu = grouped_mm(dGU.t(), X_NH, offs_E, backend=backend)  # [E, 2I, H]
+    dX = grouped_mm(dGU, gate_up_proj, offs_E, backend=backend)  # [N, H]
+    return dX, dW_gu, dW_d
+
+
+def buffer_bytes(N: int, H: int, I: int, itemsize: int) -> int:
+    """Bytes of the backward execution buffers for N rows: G, X, GU, h, dh, dGU, dX."""
+    return N * (H + H + 2 * I + I + I + 2 * I + H) * itemsize
+
+
+class _SelectiveExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_TH, top_k_weights_TK, gate_up_proj, down_proj, top_k_index_TK, policy, record):
+        T, K = top_k_index_TK.shape
+        E = gate_up_proj.shape[0]
+        w_dtype = gate_up_proj.dtype
+        perm_P, demand_E, offs_E = sort_pairs_by_expert(top_k_index_TK, E)
+        P = T * K
+        n_keep = retained_total(P, policy.drop_ratio) if policy.selects else P
+        quota_E = quota_for(demand_E, n_keep, policy.quota, **policy.quota_kwargs) if n_keep < P else demand_E
+
+        token_P = perm_P // K  # token of each pair, in sorted order
+        x_TH = hidden_TH.to(w_dtype)
+        GU = grouped_mm(x_TH[token_P], gate_up_proj.transpose(1, 2), offs_E, backend=policy.backend)
+        h = _swiglu(GU)
+        O = grouped_mm(h, down_proj.transpose(1, 2), offs_E, backend=policy.backend)
+        phi_norm2_TK = None
+        if policy.mode != "full" and policy.drop_ratio > 0:
+            hf = h.float()
+            phi_norm2_TK = torch.empty(P, device=h.device, dtype=torch.float32)
+            phi_norm2_TK[perm_P] = (hf * hf).sum(-1)
+            phi_norm2_TK = phi_norm2_TK.view(T, K)
+        del h
+        O_TKH = torch.empty_like(O)
+        O_TKH[perm_P] = O
+        O_TKH = O_TKH.view(T, K, -1)
+        acc = _acc_dtype(O_TKH, top_k_weights_TK)
+        y = torch.bmm(top_k_weights_TK.to(acc).unsqueeze(1), O_TKH.to(acc)).squeeze(1).to(hidden_TH.dtype)
+
+        ctx.save_for_backward(hidden_TH, top_k_weights_TK, gate_up_proj, down_proj, top_k_index_TK,
+                              perm_P, offs_E, demand_E, quota_E, GU, O_TKH, phi_norm2_TK)
+        ctx.policy, ctx.record, ctx.n_keep = policy, record, n_keep
+        return y
+
+    @staticmethod
+    def backward(ctx, g_TH):
+        (hidden_TH, alpha_TK, gate_up_proj, down_proj, top_k_index_TK, perm_P, offs_E, demand_E, quota_E,
+         GU, O_TKH, phi_norm2_TK) = ctx.saved_tensors
+        policy, record, n_keep = ctx.policy, ctx.record, ctx.n_keep
+        T, K = top_k_index_TK.shape
+        P = T * K
+        E, I2, H = gate_up_proj.shape
+        w_dtype = gate_up_proj.dtype
+        g_TH = g_TH.contiguous()
+
+        # 1. Router gradient for every pair, kept or not.
+        grad_alpha = None
+        if ctx.needs_input_grad[1]:
+            acc = _acc_dtype(O_TKH, alpha_TK)
+            grad_alpha = torch.bmm(O_TKH.to(acc), g_TH.to(acc).unsqueeze(-1)).squeeze(-1).to(alpha_TK.dtype)
+
+        # 2. Scores and selection.
+        scores_TK = keep_P = None
+        if phi_norm2_TK is not None:
+            inputs = ScoreInputs(alpha_TK, g_TH, phi_norm2_TK, hidden_TH, top_k_index_TK,
+                                 generator=policy.generator(g_TH.device))
+            scores_TK = get_scorer(policy.scorer)(inputs, **policy.scorer_kwargs).float().reshape(T, K)
+            if n_keep < P:
+                keep_P = select_top_quota(scores_TK.reshape(-1), top_k_index_TK.reshape(-1), quota_E)
+
+        # 3. Rows entering the expert backward: all, kept (compact) or all with dropped zeroed (mask).
+        token_P = perm_P // K
+        alpha_P = alpha_TK.reshape(-1)
+        if keep_P is not None and policy.mode == "compact":
+            pos = kept_positions(keep_P, perm_P, n_keep)
+            rows_pair, offs = perm_P[pos], torch.cumsum(quota_E, 0).to(torch.int32)
+            rows_token, GU_rows = token_P[pos], GU[pos]
+        else:
+            rows_pair, offs, rows_token, GU_rows = perm_P, offs_E, token_P, GU
+        acc = _acc_dtype(g_TH, alpha_TK)
+        G = g_TH[rows_token].to(acc) * alpha_P[rows_pair].to(acc).unsqueeze(1)
+        if keep_P is not None and policy.mode == "mask":
+            G = torch.where(keep_P[rows_pair].unsqueeze(1), G, torch.zeros((), dtype=G.dtype, device=G.device))
+        G = G.to(w_dtype)
+        X = hidden_TH.to(w_dtype)[rows_token]
+
+        # 4. Grouped GEMMs over those rows only.
+        dX, dW_gu, dW_d = expert_backward(G, GU_rows, X, offs, gate_up_proj, down_proj, backend=policy.backend)
+        grad_hidden = None
+        if ctx.needs_input_grad[0]:
+            grad_hidden = torch.zeros_like(hidden_TH).index_add_(0, rows_token, dX.to(hidden_TH.dtype))
+
+        if record is not None:
+            if keep_P is None:
+                keep_P = torch.ones(P, dtype=torch.bool, device=g_TH.device)
+            kept_E = torch.bincount(top_k_index_TK.reshape(-1)[keep_P], minlength=E)
+            if scores_TK is not None:
+                nonfinite = (~torch.isfinite(scores_TK)).sum()
+            else:
+                nonfinite = (~torch.isfinite(g_TH)).any(-1).sum() * K
+            record.fill(demand=demand_E, quota=quota_E, kept=kept_E, kept_mask=keep_P.view(T, K),
+                        scores=scores_TK, nonfinite=nonfinite, mode=policy.mode, drop_ratio=policy.drop_ratio,
+                        buffer_bytes=buffer_bytes(G.shape[0], H, I2 // 2, G.element_size()))
+        return grad_hidden, grad_alpha, dW_gu, dW_d, None, None, None
+
+
+def lrmoe_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weights_TK: torch.Tensor,
+                  gate_up_proj: torch.Tensor, down_proj: torch.Tensor, policy: BackwardPolicy | None = None,
+                  record: BackwardRecord | None = None) -> torch.Tensor:
+    """SwiGLU experts over routed pairs with LRMoE's selective, compacted backward.
+
+    hidden_TH [T, H]; top_k_index_TK [T, K] expert ids; top_k_weights_TK [T, K] routing weights;
+    gate_up_proj [E, 2I, H] (gate half first); down_proj [E, H, I]. Returns y_TH [T, H] with
+    y_t = sum_k alpha_{t,k} expert_{e_{t,k}}(x_t). ``record`` (a fresh :class:`BackwardRecord`)
+    is filled when the backward runs."""
+    policy = policy if policy is not None else BackwardPolicy()
+    _check_inputs(hidden_TH, top_k_index_TK, top_k_weights_TK, gate_up_proj, down_proj)
+    return _SelectiveExperts.apply(hidden_TH, top_k_weights_TK, gate_up_proj, down_proj,
+                                   top_k_index_TK.to(torch.int64), policy, record)

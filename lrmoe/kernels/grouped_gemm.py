@@ -1,0 +1,116 @@
+"""Variable-size grouped GEMM with the semantics of ``torch.nn.functional.grouped_mm``.
+
+Two modes, selected by the ranks of the operands (offsets are int32 cumulative *end* offsets, one
+per group, no leading zero; rows/columns past ``offs[-1]`` are outside every group):
+
+* 2D x 3D ("row split", forward and dgrad): ``a [M, K]``, ``b [G, K, N]`` -> ``out [M, N]`` with
+  ``out[s_g:e_g] = a[s_g:e_g] @ b[g]``. ``b`` may be a transposed view of a ``[G, N, K]`` tensor.
+  Rows of ``out`` past ``offs[-1]`` are zero in the ``loop`` backend and unspecified in the
+  ``torch`` backend (never read them).
+* 2D x 2D ("contraction split", wgrad): ``a [K, M]``, ``b [M, N]`` -> ``out [G, K, N]`` with
+  ``out[g] = a[:, s_g:e_g] @ b[s_g:e_g]``; empty groups give zeros.
+
+Backends: ``loop`` (a plain per-group ``torch.mm`` loop: the oracle, any dtype and device),
+``torch`` (``torch.nn.functional.grouped_mm``: fp32/bf16/fp16 with 16-byte aligned strides), and
+``triton`` when :mod:`lrmoe.kernels.triton_grouped_gemm` is available. ``auto`` picks triton on
+CUDA when available, else torch when the operands qualify, else loop.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "triton", "torch", "loop")
+_TORCH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_grouped_mm_args(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor) -> int:
+    """Validate operands; return the number of groups."""
+    if offs.dim() != 1 or offs.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"offs must be a 1-D int32 (or int64) tensor of cumulative end offsets, got "
+                         f"{offs.dtype} of shape {tuple(offs.shape)}")
+    if mat_a.dim() != 2 or mat_b.dim() not in (2, 3):
+        raise ValueError(f"grouped_mm accepts 2D x 3D (row split) or 2D x 2D (contraction split), got "
+                         f"{mat_a.dim()}D x {mat_b.dim()}D")
+    if mat_a.dtype != mat_b.dtype:
+        raise ValueError(f"mat_a and mat_b must share a dtype, got {mat_a.dtype} and {mat_b.dtype}")
+    G = offs.numel()
+    if mat_b.dim() == 3:
+        if mat_b.shape[0] != G:
+            raise ValueError(f"mat_b has {mat_b.shape[0]} groups but offs has {G}")
+        if mat_a.shape[1] != mat_b.shape[1]:
+            raise ValueError(f"inner dimensions differ: mat_a [M, {mat_a.shape[1]}] vs mat_b [G, {mat_b.shape[1]}, N]")
+    elif mat_a.shape[1] != mat_b.shape[0]:
+        raise ValueError(f"contraction dimensions differ: mat_a [K, {mat_a.shape[1]}] vs mat_b [{mat_b.shape[0]}, N]")
+    return G
+
+
+def grouped_mm_loop(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Reference: one ``torch.mm`` per group (one host sync to read the offsets)."""
+    ends = offs.tolist()
+    start = 0
+    if mat_b.dim() == 3:
+        out = mat_a.new_zeros(mat_a.shape[0], mat_b.shape[2])
+        for g, end in enumerate(ends):
+            if end > start:
+                torch.mm(mat_a[start:end], mat_b[g], out=out[start:end])
+            start = end
+        return out
+    out = mat_a.new_zeros(len(ends), mat_a.shape[0], mat_b.shape[1])
+    for g, end in enumerate(ends):
+        if end > start:
+            torch.mm(mat_a[:, start:end], mat_b[start:end], out=out[g])
+        start = end
+    return out
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """F.grouped_mm needs 16-byte aligned strides and base pointer (one unit stride)."""
+    item = t.element_size()
+    strides_ok = all(s == 1 or (s * item) % 16 == 0 for s in t.stride()) and 1 in t.stride()[-2:]
+    return strides_ok and t.data_ptr() % 16 == 0
+
+
+def torch_backend_ok(mat_a: torch.Tensor, mat_b: torch.Tensor) -> bool:
+    return mat_a.dtype in _TORCH_DTYPES and _aligned(mat_a) and _aligned(mat_b)
+
+
+def grouped_mm_torch(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return F.grouped_mm(mat_a, mat_b, offs=offs.to(torch.int32))
+
+
+def _triton_available(device: torch.device) -> bool:
+    try:
+        from . import triton_grouped_gemm  # noqa: F401
+    except Exception:  # pragma: no cover - triton missing or failing to import
+        return False
+    return triton_grouped_gemm.supported(device)
+
+
+def resolve_backend(backend: str, mat_a: torch.Tensor, mat_b: torch.Tensor) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown grouped_mm backend {backend!r}; accepted: {list(BACKENDS)}")
+    if backend != "auto":
+        return backend
+    if mat_a.is_cuda and _triton_available(mat_a.device):
+        return "triton"
+    return "torch" if torch_backend_ok(mat_a, mat_b) else "loop"
+
+
+def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """Grouped GEMM with ``torch.nn.functional.grouped_mm`` semantics (see the module docstring).
+
+    Not differentiable by itself: the experts function owns the backward and calls this op for
+    every GEMM of it."""
+    check_grouped_mm_args(mat_a, mat_b, offs)
+    backend = resolve_backend(backend, mat_a, mat_b)
+    if backend == "loop":
+        return grouped_mm_loop(mat_a, mat_b, offs)
+    if backend == "torch":
+        if not torch_backend_ok(mat_a, mat_b):
+            raise ValueError(f"backend='torch' needs fp32/bf16/fp16 operands with 16-byte aligned strides, got "
+                             f"{mat_a.dtype} with strides {mat_a.stride()} and {mat_b.stride()}; use backend='auto'")
+        return grouped_mm_torch(mat_a, mat_b, offs)
+    from . import triton_grouped_gemm
+
+    return triton_grouped_gemm.grouped_mm(mat_a, mat_b, offs)

@@ -1,0 +1,61 @@
+"""Pair bookkeeping ops: sort pairs by expert, per-expert top-quota selection, compaction indices.
+
+Pairs are numbered u = t*K + k (token t, slot k). "Sorted order" is the stable sort of pairs by
+expert id, so every expert's pairs are contiguous and in pair-index order. Each op has a
+vectorised torch implementation (any device, no host synchronisation) and a plain loop reference.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def sort_pairs_by_expert(top_k_index_TK: torch.Tensor, num_experts: int):
+    """Returns ``perm_P`` (pair ids in sorted order), ``demand_E`` (int64) and ``offs_E`` (int32 ends)."""
+    expert_P = top_k_index_TK.reshape(-1)
+    perm_P = torch.argsort(expert_P, stable=True)
+    demand_E = torch.bincount(expert_P, minlength=num_experts)
+    offs_E = torch.cumsum(demand_E, 0).to(torch.int32)
+    return perm_P, demand_E, offs_E
+
+
+def rank_keys(scores_P: torch.Tensor) -> torch.Tensor:
+    """Ranking keys: float32 scores with every non-finite value mapped to +inf (ranked first)."""
+    s = scores_P.float()
+    return torch.where(torch.isfinite(s), s, torch.full_like(s, float("inf")))
+
+
+def select_top_quota(scores_P: torch.Tensor, expert_P: torch.Tensor, quota_E: torch.Tensor) -> torch.Tensor:
+    """Boolean mask [P]: for every expert e, its ``quota_E[e]`` pairs with the highest score.
+
+    Ties go to the lower pair index; non-finite scores rank first (so NaN/Inf gradients are kept
+    and reach the optimizer's checks). Two stable sorts: by score (descending), then by expert."""
+    P = scores_P.numel()
+    E = quota_E.numel()
+    by_score = torch.argsort(rank_keys(scores_P), descending=True, stable=True)
+    order = by_score[torch.argsort(expert_P[by_score], stable=True)]  # expert-major, best first
+    e_sorted = expert_P[order]
+    start_E = torch.cumsum(torch.bincount(expert_P, minlength=E), 0) - torch.bincount(expert_P, minlength=E)
+    rank = torch.arange(P, device=scores_P.device) - start_E[e_sorted]
+    keep = torch.empty(P, dtype=torch.bool, device=scores_P.device)
+    keep[order] = rank < quota_E[e_sorted]
+    return keep
+
+
+def select_top_quota_loop(scores_P: torch.Tensor, expert_P: torch.Tensor, quota_E: torch.Tensor) -> torch.Tensor:
+    """Reference for :func:`select_top_quota`: a Python sort per expert."""
+    keys = rank_keys(scores_P).tolist()
+    experts = expert_P.tolist()
+    keep = [False] * len(keys)
+    for e, q in enumerate(quota_E.tolist()):
+        pairs = [u for u, x in enumerate(experts) if x == e]
+        pairs.sort(key=lambda u: (-keys[u], u))
+        for u in pairs[:q]:
+            keep[u] = True
+    return torch.tensor(keep, dtype=torch.bool, device=scores_P.device)
+
+
+def kept_positions(keep_P: torch.Tensor, perm_P: torch.Tensor, n_keep: int) -> torch.Tensor:
+    """Positions (in sorted order) of the kept pairs, expert-contiguous and in pair order.
+
+    ``n_keep`` is the host-known number of kept pairs, so no host synchronisation is needed."""
+    return torch.nonzero_static(keep_P[perm_P], size=n_keep).squeeze(1)

@@ -1,0 +1,122 @@
+"""nn.Modules: the LRMoE experts container and the full MoE layer (router + experts + shared expert)."""
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+from torch import nn
+
+from .experts import lrmoe_experts
+from .policy import BackwardPolicy, BackwardRecord
+from .router import load_balancing_loss, make_router
+
+
+class LRMoEExperts(nn.Module):
+    """SwiGLU experts in the transformers layout with LRMoE's selective backward.
+
+    gate_up_proj [E, 2I, H] (gate half first), down_proj [E, H, I]. ``last_backward`` holds the
+    :class:`BackwardRecord` of the latest backward through this module."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, policy: BackwardPolicy | None = None):
+        super().__init__()
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.policy = policy if policy is not None else BackwardPolicy()
+        self.last_backward: BackwardRecord | None = None
+
+    def _on_backward(self, record: BackwardRecord) -> None:
+        self.last_backward = record
+
+    def forward(self, hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weights_TK: torch.Tensor) -> torch.Tensor:
+        record = None
+        if torch.is_grad_enabled():
+            ref = weakref.ref(self)  # the autograd graph must not keep the module alive
+            record = BackwardRecord(on_fill=lambda r: (m := ref()) is not None and m._on_backward(r))
+        return lrmoe_experts(hidden_TH, top_k_index_TK, top_k_weights_TK, self.gate_up_proj, self.down_proj,
+                             self.policy, record)
+
+
+class SwiGLUMLP(nn.Module):
+    """Dense SwiGLU MLP (the shared expert; transformers' naming: gate_proj, up_proj, down_proj)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LRMoELayer(nn.Module):
+    """A sparse MoE layer: router -> SwiGLU experts (LRMoE backward) [+ shared expert].
+
+    ``router="softmax"`` is Qwen3-MoE's router, ``router="sigmoid"`` GLM-4.5's (extra keyword
+    arguments ``routed_scaling_factor``, ``n_group``, ``topk_group``); ``n_shared_experts`` adds
+    GLM's shared expert of width ``n_shared_experts * intermediate_size``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
+                 router: str = "softmax", norm_topk_prob: bool = True, n_shared_experts: int = 0,
+                 policy: BackwardPolicy | None = None, init_std: float | None = None, **router_kwargs):
+        super().__init__()
+        for name, v in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
+                        ("num_experts", num_experts)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not isinstance(top_k, int) or not (1 <= top_k <= num_experts):
+            raise ValueError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
+        if not isinstance(n_shared_experts, int) or n_shared_experts < 0:
+            raise ValueError(f"n_shared_experts must be an int >= 0, got {n_shared_experts!r}")
+        self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
+        self.gate = make_router(router, hidden_size, num_experts, top_k, norm_topk_prob=norm_topk_prob, **router_kwargs)
+        self.experts = LRMoEExperts(num_experts, hidden_size, intermediate_size, policy)
+        self.shared_experts = SwiGLUMLP(hidden_size, intermediate_size * n_shared_experts) if n_shared_experts else None
+        self.last_router_logits: torch.Tensor | None = None
+        self.last_top_k_index: torch.Tensor | None = None
+        self.reset_parameters(init_std)
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float | None = None) -> None:
+        """Normal init with ``std`` (default 1/sqrt(fan_in) per projection, like nn.Linear's scale)."""
+        H, I = self.hidden_size, self.experts.intermediate_size
+        self.gate.weight.normal_(0.0, std or 1 / math.sqrt(H))
+        self.experts.gate_up_proj.normal_(0.0, std or 1 / math.sqrt(H))
+        self.experts.down_proj.normal_(0.0, std or 1 / math.sqrt(I))
+        if self.shared_experts is not None:
+            for lin in (self.shared_experts.gate_proj, self.shared_experts.up_proj, self.shared_experts.down_proj):
+                lin.weight.normal_(0.0, std or 1 / math.sqrt(lin.in_features))
+
+    @property
+    def policy(self) -> BackwardPolicy:
+        return self.experts.policy
+
+    @policy.setter
+    def policy(self, policy: BackwardPolicy) -> None:
+        if not isinstance(policy, BackwardPolicy):
+            raise ValueError(f"policy must be a BackwardPolicy, got {type(policy).__name__}")
+        self.experts.policy = policy
+
+    @property
+    def last_backward(self) -> BackwardRecord | None:
+        """The :class:`BackwardRecord` of the latest backward through this layer."""
+        return self.experts.last_backward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"input's last dimension must be hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
+        x_TH = x.reshape(-1, self.hidden_size)
+        logits, weights, index = self.gate(x_TH)
+        self.last_router_logits, self.last_top_k_index = logits, index
+        y = self.experts(x_TH, index, weights)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x_TH)
+        return y.view(x.shape)
+
+    def aux_loss(self) -> torch.Tensor:
+        """Switch-style load-balancing loss of the latest forward (see :func:`lrmoe.router.load_balancing_loss`)."""
+        if self.last_router_logits is None:
+            raise RuntimeError("aux_loss() needs a forward pass first")
+        return load_balancing_loss(self.last_router_logits, self.last_top_k_index, self.num_experts)

@@ -1,0 +1,107 @@
+"""Configuration of the selective backward (:class:`BackwardPolicy`) and what it did (:class:`BackwardRecord`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .kernels.grouped_gemm import BACKENDS
+from .quota import check_drop_ratio, get_quota_policy
+from .scorers import get_scorer
+
+MODES = ("full", "compact", "mask")
+
+
+@dataclass
+class BackwardPolicy:
+    """How an MoE layer's expert backward is pruned.
+
+    drop_ratio: fraction rho of routed pairs dropped from the expert backward, in [0, 1);
+        exactly ``round((1 - rho) * P)`` pairs are kept per layer call (P = tokens x top_k).
+    scorer: registered pair scorer (``lrmoe.scorers.scorers()``): lrm, lrm_input, grad_norm,
+        abs_grad, random.
+    quota: registered quota policy (``lrmoe.quota.quota_policies()``): waterfill, proportional.
+    mode: ``full`` (no selection: the C0 fast path), ``compact`` (LRMoE: kept rows physically
+        compacted, grouped GEMMs over kept rows only), ``mask`` (same selection, dropped rows
+        zero-masked in full-size GEMMs; saves nothing, kept for the ablation).
+    seed: seed of the ``random`` scorer's generator (None: torch's global RNG).
+    backend: grouped GEMM backend (``auto``, ``triton``, ``torch``, ``loop``).
+    """
+
+    drop_ratio: float = 0.0
+    scorer: str = "lrm"
+    quota: str = "waterfill"
+    mode: str = "compact"
+    seed: int | None = None
+    scorer_kwargs: dict = field(default_factory=dict)
+    quota_kwargs: dict = field(default_factory=dict)
+    backend: str = "auto"
+
+    def __post_init__(self):
+        self.drop_ratio = check_drop_ratio(self.drop_ratio)
+        get_scorer(self.scorer)
+        get_quota_policy(self.quota)
+        if self.mode not in MODES:
+            raise ValueError(f"unknown backward mode {self.mode!r}; accepted: {list(MODES)}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown grouped_mm backend {self.backend!r}; accepted: {list(BACKENDS)}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    @property
+    def selects(self) -> bool:
+        """True when the backward scores and selects pairs (mode compact/mask with rho > 0)."""
+        return self.mode != "full" and self.drop_ratio > 0
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        """The seeded generator for ``device`` (created on first use), or None without a seed."""
+        if self.seed is None:
+            return None
+        device = torch.device(device)
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generators[device]
+
+
+class BackwardRecord:
+    """What one selective backward did; filled when the backward runs.
+
+    demand [E]: routed pairs per expert; quota [E]: retention quota fixed in forward;
+    kept [E]: pairs kept in backward; kept_mask [T, K] bool; scores [T, K] float32 (None when the
+    policy does not score, i.e. mode ``full`` or drop_ratio 0); nonfinite: number of pairs whose
+    score (or, without scoring, whose incoming gradient) is NaN/Inf; buffer_bytes: bytes of the
+    backward execution buffers (gathered rows, intermediate and output gradients of the GEMMs).
+    """
+
+    def __init__(self, on_fill: Callable[["BackwardRecord"], None] | None = None):
+        self.filled = False
+        self.demand = self.quota = self.kept = self.kept_mask = self.scores = None
+        self.mode: str | None = None
+        self.drop_ratio: float | None = None
+        self.buffer_bytes = 0
+        self._nonfinite: torch.Tensor | int = 0
+        self._on_fill = on_fill
+
+    @property
+    def nonfinite(self) -> int:
+        return int(self._nonfinite)
+
+    @property
+    def kept_fraction(self) -> float:
+        total = int(self.demand.sum())
+        return int(self.kept.sum()) / total if total else 1.0
+
+    def fill(self, **values) -> None:
+        for k, v in values.items():
+            setattr(self, "_nonfinite" if k == "nonfinite" else k, v)
+        self.filled = True
+        if self._on_fill is not None:
+            self._on_fill(self)
+
+    def __repr__(self) -> str:
+        if not self.filled:
+            return "BackwardRecord(pending)"
+        return (f"BackwardRecord(mode={self.mode}, drop_ratio={self.drop_ratio}, demand={self.demand.tolist()}, "
+                f"quota={self.quota.tolist()}, kept={self.kept.tolist()}, nonfinite={self.nonfinite})")

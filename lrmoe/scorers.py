@@ -1,0 +1,95 @@
+"""Pair scorers: how important a routed pair (t, e) is for its expert's weight gradient.
+
+A scorer is ``fn(inputs: ScoreInputs, **kwargs) -> scores_TK`` (float, higher = keep first).
+For the protected projection (the expert's down projection, input phi_u = h_u) the pair's weight
+gradient is the rank-one ``(alpha_u g_t) phi_u^T``, whose squared Frobenius norm is the Load
+Recalibration Metric ``R_u = alpha_u^2 * ||g_t||^2 * ||phi_u||^2`` (scorer ``lrm``).
+
+Built-in scorers: ``lrm``, ``lrm_input`` (phi = the expert input x_t instead of h_u, an ablation),
+``grad_norm`` (||g_t||^2), ``abs_grad`` (||g_t||_1), ``random`` (uniform, seeded). Register your
+own with :func:`register_scorer`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Callable
+
+import torch
+
+ScorerFn = Callable[..., torch.Tensor]
+_SCORERS: dict[str, ScorerFn] = {}
+
+
+@dataclass
+class ScoreInputs:
+    """Everything a scorer may look at, in pair layout [T, K]; norms are computed on first use (fp32)."""
+
+    alpha_TK: torch.Tensor  # routing weights
+    grad_TH: torch.Tensor  # dL/dy at the MoE output
+    phi_norm2_TK: torch.Tensor  # ||h_u||^2, the down-projection input, recorded in forward
+    hidden_TH: torch.Tensor  # expert input x_t
+    top_k_index_TK: torch.Tensor
+    generator: torch.Generator | None = None
+    extras: dict = field(default_factory=dict)
+
+    @cached_property
+    def grad_norm2_T(self) -> torch.Tensor:
+        g = self.grad_TH.float()
+        return (g * g).sum(-1)
+
+    @cached_property
+    def input_norm2_T(self) -> torch.Tensor:
+        x = self.hidden_TH.float()
+        return (x * x).sum(-1)
+
+
+def register_scorer(name: str, fn: ScorerFn | None = None):
+    """Register ``fn(inputs: ScoreInputs, **kwargs) -> scores [T, K]``; usable as a decorator."""
+
+    def _register(f: ScorerFn) -> ScorerFn:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"scorer name must be a non-empty string, got {name!r}")
+        _SCORERS[name] = f
+        return f
+
+    return _register(fn) if fn is not None else _register
+
+
+def scorers() -> list[str]:
+    """Names of the registered scorers."""
+    return sorted(_SCORERS)
+
+
+def get_scorer(name: str) -> ScorerFn:
+    try:
+        return _SCORERS[name]
+    except KeyError:
+        raise ValueError(f"unknown scorer {name!r}; registered: {scorers()}") from None
+
+
+@register_scorer("lrm")
+def lrm_score(inp: ScoreInputs) -> torch.Tensor:
+    a = inp.alpha_TK.float()
+    return a * a * inp.grad_norm2_T[:, None] * inp.phi_norm2_TK.float()
+
+
+@register_scorer("lrm_input")
+def lrm_input_score(inp: ScoreInputs) -> torch.Tensor:
+    a = inp.alpha_TK.float()
+    return a * a * (inp.grad_norm2_T * inp.input_norm2_T)[:, None]
+
+
+@register_scorer("grad_norm")
+def grad_norm_score(inp: ScoreInputs) -> torch.Tensor:
+    return inp.grad_norm2_T[:, None].expand(inp.alpha_TK.shape)
+
+
+@register_scorer("abs_grad")
+def abs_grad_score(inp: ScoreInputs) -> torch.Tensor:
+    return inp.grad_TH.float().abs().sum(-1)[:, None].expand(inp.alpha_TK.shape)
+
+
+@register_scorer("random")
+def random_score(inp: ScoreInputs) -> torch.Tensor:
+    return torch.rand(inp.alpha_TK.shape, generator=inp.generator, device=inp.alpha_TK.device)
