@@ -1,0 +1,32 @@
+"""Test-session set-up. Runs before any test module imports lrmoe."""
+import os
+
+import pytest
+import torch
+
+# Triton kernels run on CPU tensors under the interpreter; it must be switched on before any
+# kernel is defined (i.e. before lrmoe.kernels.triton_* is imported). On a CUDA machine the
+# real compiler is used.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def rng_seed(request):
+    """A fresh seed per test (derived from the test id, so failures are reproducible)."""
+    import zlib
+
+    seed = zlib.crc32(request.node.nodeid.encode())
+    torch.manual_seed(seed)
+    return seed
