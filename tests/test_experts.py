@@ -1,0 +1,195 @@
+"""The selective experts function against an independent per-pair loop (float64)."""
+import math
+
+import pytest
+import torch
+
+from lrmoe import BackwardPolicy, BackwardRecord, lrmoe_experts
+from lrmoe.quota import compute_quota
+from oracle import expected_keep, moe_loop
+
+f64 = torch.float64
+
+
+def make_case(T, H, I, E, K, *, hot=None, empty=(), seed=None):
+    g = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**31, ())))
+    x = torch.randn(T, H, dtype=f64, generator=g)
+    allowed = [e for e in range(E) if e not in empty]
+    idx = torch.stack([torch.tensor(allowed)[torch.randperm(len(allowed), generator=g)[:K]] for _ in range(T)])
+    if hot is not None:  # one expert in most tokens' first slot
+        for t in range(T):
+            if torch.rand((), generator=g) < 0.8 and hot not in idx[t]:
+                idx[t, 0] = hot
+    w = torch.rand(T, K, dtype=f64, generator=g) + 0.1
+    gu = torch.randn(E, 2 * I, H, dtype=f64, generator=g) / H**0.5
+    dn = torch.randn(E, H, I, dtype=f64, generator=g) / I**0.5
+    dy = torch.randn(T, H, dtype=f64, generator=g)
+    return x, idx, w, gu, dn, dy
+
+
+def run_lrmoe(case, policy):
+    x, idx, w, gu, dn, dy = case
+    leaves = [t.clone().requires_grad_() for t in (x, w, gu, dn)]
+    rec = BackwardRecord()
+    y = lrmoe_experts(leaves[0], idx, leaves[1], leaves[2], leaves[3], policy, rec)
+    y.backward(dy)
+    return y.detach(), [t.grad for t in leaves], rec
+
+
+def run_loop(case, kept=None):
+    x, idx, w, gu, dn, dy = case
+    leaves = [t.clone().requires_grad_() for t in (x, w, gu, dn)]
+    y, h2 = moe_loop(leaves[0], idx, leaves[1], leaves[2], leaves[3], kept)
+    y.backward(dy)
+    return y.detach(), [t.grad for t in leaves], h2
+
+
+def assert_close_all(a, b, what):
+    for name, u, v in zip(("x", "weights", "gate_up_proj", "down_proj"), a, b):
+        torch.testing.assert_close(u, v, rtol=1e-9, atol=1e-10, msg=lambda m: f"{what}: grad of {name}: {m}")
+
+
+SHAPES = [  # T, H, I, E, K
+    (9, 8, 6, 4, 2),
+    (13, 5, 3, 7, 3),  # odd sizes
+    (1, 6, 4, 3, 2),  # one token
+    (6, 4, 4, 3, 3),  # top_k == num_experts
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("mode", ["full", "compact", "mask"])
+def test_keep_all_equals_plain_moe(shape, mode):
+    case = make_case(*shape)
+    y, grads, rec = run_lrmoe(case, BackwardPolicy(0.0, mode=mode))
+    y_ref, grads_ref, _ = run_loop(case)
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-12)
+    assert_close_all(grads, grads_ref, f"keep-all {mode}")
+    assert rec.kept_mask.all() and torch.equal(rec.kept, rec.demand)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("quota", ["waterfill", "proportional"])
+@pytest.mark.parametrize("scorer", ["lrm", "lrm_input", "grad_norm", "abs_grad", "random"])
+def test_dropping_matches_loop_on_kept_pairs(shape, quota, scorer):
+    case = make_case(*shape)
+    x, idx, w, gu, dn, dy = case
+    rho = float(torch.empty(()).uniform_(0.1, 0.6))
+    pol = BackwardPolicy(rho, scorer=scorer, quota=quota, seed=7)
+    y, grads, rec = run_lrmoe(case, pol)
+    y_ref, grads_ref, h2 = run_loop(case, kept=rec.kept_mask)
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-12)  # forward is complete
+    assert_close_all(grads, grads_ref, f"{scorer}/{quota} rho={rho:.2f}")
+
+    # The quotas are the policy's, the scores are the definition, the selection is top-quota.
+    demand = torch.bincount(idx.reshape(-1), minlength=gu.shape[0])
+    assert torch.equal(rec.demand, demand)
+    assert torch.equal(rec.quota, compute_quota(demand, rho, quota))
+    g2 = (dy**2).sum(-1, keepdim=True)
+    expected_scores = {
+        "lrm": w**2 * g2 * h2,
+        "lrm_input": w**2 * g2 * (x**2).sum(-1, keepdim=True),
+        "grad_norm": g2.expand_as(w),
+        "abs_grad": dy.abs().sum(-1, keepdim=True).expand_as(w),
+    }
+    if scorer in expected_scores:
+        torch.testing.assert_close(rec.scores, expected_scores[scorer].float(), rtol=1e-5, atol=1e-6)
+    assert torch.equal(rec.kept_mask, expected_keep(rec.scores, idx, rec.quota))
+    assert torch.equal(rec.kept, rec.quota)
+    assert int(rec.kept.sum()) == math.floor((1 - rho) * idx.numel() + 0.5)  # round((1-rho)P), halves up
+
+
+@pytest.mark.parametrize("case_kind", ["empty", "hot", "odd"])
+def test_compact_and_mask_give_the_same_gradients(case_kind):
+    kw = {"empty": dict(empty=(1, 4)), "hot": dict(hot=2), "odd": {}}[case_kind]
+    case = make_case(17, 7, 5, 6, 2, **kw)
+    rho = float(torch.empty(()).uniform_(0.15, 0.7))
+    _, g_c, r_c = run_lrmoe(case, BackwardPolicy(rho, mode="compact"))
+    _, g_m, r_m = run_lrmoe(case, BackwardPolicy(rho, mode="mask"))
+    assert torch.equal(r_c.kept_mask, r_m.kept_mask)
+    assert_close_all(g_c, g_m, "compact vs mask")
+    assert r_c.buffer_bytes < r_m.buffer_bytes  # compaction shrinks the execution buffers
+    if case_kind == "empty":
+        assert r_c.demand[1] == 0 and r_c.demand[4] == 0
+        assert g_c[2][1].abs().sum() == 0 and g_c[3][4].abs().sum() == 0
+
+
+def test_hot_expert_is_trimmed_first_by_waterfill():
+    case = make_case(40, 6, 4, 5, 1, hot=3)
+    _, _, rec = run_lrmoe(case, BackwardPolicy(0.3, quota="waterfill"))
+    assert int(rec.demand.argmax()) == 3
+    cap = int(rec.quota.max())
+    assert rec.quota[3] in (cap, cap - 1) and rec.quota[3] < rec.demand[3]
+    cold = rec.demand < cap - 1
+    assert torch.equal(rec.quota[cold], rec.demand[cold])  # cold experts keep everything
+
+
+def test_gradcheck_full_mode():
+    x, idx, w, gu, dn, _ = make_case(5, 4, 3, 3, 2)
+    inputs = tuple(t.clone().requires_grad_() for t in (x, w, gu, dn))
+    assert torch.autograd.gradcheck(
+        lambda a, b, c, d: lrmoe_experts(a, idx, b, c, d, BackwardPolicy(0.0, mode="full")), inputs)
+
+
+def test_random_scorer_is_seeded():
+    case = make_case(30, 6, 4, 4, 2)
+    kept = [run_lrmoe(case, BackwardPolicy(0.5, scorer="random", seed=s))[2].kept_mask for s in (1, 1, 2)]
+    assert torch.equal(kept[0], kept[1])
+    assert not torch.equal(kept[0], kept[2])
+
+
+def test_lrm_uses_all_three_factors():
+    """Same ||g_t||, different alpha or phi: only LRM tells the pairs apart."""
+    x, idx, w, gu, dn, dy = make_case(8, 6, 4, 1, 1)
+    dy = dy / dy.norm(dim=-1, keepdim=True)  # every token has the same gradient norm
+    case = (x, idx, w, gu, dn, dy)
+    _, _, rec = run_lrmoe(case, BackwardPolicy(0.5, scorer="lrm"))
+    h2 = run_loop(case)[2]
+    r = (w**2 * h2).squeeze(1)
+    assert torch.equal(rec.kept_mask.squeeze(1), r >= r.sort(descending=True).values[3])
+    _, _, rec_g = run_lrmoe(case, BackwardPolicy(0.5, scorer="grad_norm"))
+    # All grad-norm scores tie (up to rounding), so its choice ignores alpha and phi.
+    assert torch.allclose(rec_g.scores, rec_g.scores[0, 0].expand_as(rec_g.scores), rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["compact", "mask", "full"])
+def test_nonfinite_gradient_is_kept_and_counted(mode):
+    x, idx, w, gu, dn, dy = make_case(12, 5, 4, 3, 2)
+    dy[4, 2] = float("nan")
+    _, grads, rec = run_lrmoe((x, idx, w, gu, dn, dy), BackwardPolicy(0.4, mode=mode))
+    assert rec.nonfinite == 2  # the two pairs of token 4
+    assert rec.kept_mask[4].all()  # non-finite scores rank first
+    for e in idx[4].tolist():
+        assert torch.isnan(grads[2][e]).any() and torch.isnan(grads[3][e]).any()
+    assert torch.isnan(grads[1][4]).all()  # router gradient of that token
+    assert torch.isfinite(grads[1][torch.arange(12) != 4]).all()
+
+
+def test_record_is_per_call_and_counts_bytes():
+    case = make_case(20, 8, 4, 4, 2)
+    recs = [run_lrmoe(case, BackwardPolicy(r))[2] for r in (0.0, 0.5)]
+    n0, n1 = (int(r.kept.sum()) for r in recs)
+    assert n1 == 20 and n0 == 40
+    assert recs[1].buffer_bytes * n0 == recs[0].buffer_bytes * n1  # proportional to kept rows
+
+
+def test_bad_inputs():
+    x, idx, w, gu, dn, _ = make_case(4, 6, 4, 3, 2)
+    with pytest.raises(ValueError, match=r"expert indices must be in \[0, 2\]"):
+        lrmoe_experts(x, idx + 1, w, gu, dn)
+    with pytest.raises(ValueError, match=r"expert indices"):
+        lrmoe_experts(x, idx - 3, w, gu, dn)
+    with pytest.raises(ValueError, match="hidden size"):
+        lrmoe_experts(x[:, :5], idx, w, gu, dn)
+    with pytest.raises(ValueError, match=r"\[T=4, K\]"):
+        lrmoe_experts(x, idx, w[:, :1], gu, dn)
+    with pytest.raises(ValueError, match="integer"):
+        lrmoe_experts(x, idx.double(), w, gu, dn)
+    with pytest.raises(ValueError, match=r"drop_ratio must be a number in \[0, 1\), got 1.5"):
+        BackwardPolicy(1.5)
+    with pytest.raises(ValueError, match=r"unknown scorer 'nope'; registered: \[.*'lrm'"):
+        BackwardPolicy(scorer="nope")
+    with pytest.raises(ValueError, match=r"unknown quota policy 'nope'; registered: \[.*'waterfill'"):
+        BackwardPolicy(quota="nope")
+    with pytest.raises(ValueError, match=r"unknown backward mode 'drop'; accepted: \['full', 'compact', 'mask'\]"):
+        BackwardPolicy(mode="drop")
