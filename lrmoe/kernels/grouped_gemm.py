@@ -12,8 +12,20 @@ per group, no leading zero; rows/columns past ``offs[-1]`` are outside every gro
 
 Backends: ``loop`` (a plain per-group ``torch.mm`` loop: the oracle, any dtype and device),
 ``torch`` (``torch.nn.functional.grouped_mm``: fp32/bf16/fp16 with 16-byte aligned strides), and
-``triton`` when :mod:`lrmoe.kernels.triton_grouped_gemm` is available. ``auto`` picks triton on
-CUDA when available, else torch when the operands qualify, else loop.
+``triton`` (:mod:`lrmoe.kernels.triton_grouped_gemm`: fp32/bf16/fp16 on CUDA, or on CPU under
+``TRITON_INTERPRET=1``; no host synchronisation). ``auto`` picks triton on CUDA for fp32/bf16/fp16
+(never for float64), else torch when the operands qualify, else loop.
+
+Optional fused indices (all backends; triton fuses them into its loads/stores, torch and loop run
+the explicit reference: gather into a contiguous buffer, GEMM, scatter):
+``a_index`` -- logical row ``i`` of ``mat_a`` is ``mat_a[a_index[i]]`` (row split) or logical column
+``i`` is ``mat_a[:, a_index[i]]`` (contraction split); ``b_index`` -- logical row ``i`` of a 2D
+``mat_b`` is ``mat_b[b_index[i]]``; ``out_index`` -- logical output row ``i`` (row split) goes to
+``out[out_index[i]]``, which must not repeat a value; ``out`` -- write into this tensor (default: a
+new one of the logical shape); ``accumulate`` -- add into ``out`` instead of overwriting it.
+Offsets always count logical rows. What lands in output rows addressed by logical rows past
+``offs[-1]`` is unspecified (triton leaves them untouched; the reference writes what its backend
+computed there).
 """
 from __future__ import annotations
 
@@ -24,8 +36,9 @@ BACKENDS = ("auto", "triton", "torch", "loop")
 _TORCH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def check_grouped_mm_args(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor) -> int:
-    """Validate operands; return the number of groups."""
+def check_grouped_mm_args(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *,
+                          a_index: torch.Tensor | None = None, b_index: torch.Tensor | None = None) -> int:
+    """Validate operands (the contraction length counts logical, i.e. indexed, rows); return the number of groups."""
     if offs.dim() != 1 or offs.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"offs must be a 1-D int32 (or int64) tensor of cumulative end offsets, got "
                          f"{offs.dtype} of shape {tuple(offs.shape)}")
@@ -40,8 +53,11 @@ def check_grouped_mm_args(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.
             raise ValueError(f"mat_b has {mat_b.shape[0]} groups but offs has {G}")
         if mat_a.shape[1] != mat_b.shape[1]:
             raise ValueError(f"inner dimensions differ: mat_a [M, {mat_a.shape[1]}] vs mat_b [G, {mat_b.shape[1]}, N]")
-    elif mat_a.shape[1] != mat_b.shape[0]:
-        raise ValueError(f"contraction dimensions differ: mat_a [K, {mat_a.shape[1]}] vs mat_b [{mat_b.shape[0]}, N]")
+    else:
+        m_a = a_index.numel() if a_index is not None else mat_a.shape[1]
+        m_b = b_index.numel() if b_index is not None else mat_b.shape[0]
+        if m_a != m_b:
+            raise ValueError(f"contraction dimensions differ: mat_a [K, {m_a}] vs mat_b [{m_b}, N] (logical, after indexing)")
     return G
 
 
@@ -92,25 +108,50 @@ def resolve_backend(backend: str, mat_a: torch.Tensor, mat_b: torch.Tensor) -> s
         raise ValueError(f"unknown grouped_mm backend {backend!r}; accepted: {list(BACKENDS)}")
     if backend != "auto":
         return backend
-    if mat_a.is_cuda and _triton_available(mat_a.device):
+    if mat_a.is_cuda and mat_a.dtype in _TORCH_DTYPES and _triton_available(mat_a.device):
         return "triton"
     return "torch" if torch_backend_ok(mat_a, mat_b) else "loop"
 
 
-def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
-    """Grouped GEMM with ``torch.nn.functional.grouped_mm`` semantics (see the module docstring).
+def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *, backend: str = "auto",
+               a_index: torch.Tensor | None = None, b_index: torch.Tensor | None = None,
+               out_index: torch.Tensor | None = None, out: torch.Tensor | None = None,
+               accumulate: bool = False) -> torch.Tensor:
+    """Grouped GEMM with ``torch.nn.functional.grouped_mm`` semantics (see the module docstring),
+    optionally with fused gather (``a_index``, ``b_index``) and scatter (``out_index``, ``out``,
+    ``accumulate``).
 
     Not differentiable by itself: the experts function owns the backward and calls this op for
     every GEMM of it."""
-    check_grouped_mm_args(mat_a, mat_b, offs)
+    check_grouped_mm_args(mat_a, mat_b, offs, a_index=a_index, b_index=b_index)
+    if b_index is not None and mat_b.dim() == 3:
+        raise ValueError("b_index applies to the contraction split (2D x 2D) only")
+    if out_index is not None and mat_b.dim() == 2:
+        raise ValueError("out_index applies to the row split (2D x 3D) only")
+    if accumulate and out is None:
+        raise ValueError("accumulate=True needs out=")
     backend = resolve_backend(backend, mat_a, mat_b)
+    if backend == "triton":
+        from . import triton_grouped_gemm
+
+        return triton_grouped_gemm.grouped_mm(mat_a, mat_b, offs, a_index=a_index, b_index=b_index,
+                                              out_index=out_index, out=out, accumulate=accumulate)
+    # Reference path for the fused indices: explicit gather into contiguous buffers.
+    if a_index is not None:
+        mat_a = mat_a[a_index] if mat_b.dim() == 3 else mat_a.t()[a_index].t()  # keeps a transposed layout
+    if b_index is not None:
+        mat_b = mat_b[b_index]
     if backend == "loop":
-        return grouped_mm_loop(mat_a, mat_b, offs)
-    if backend == "torch":
+        res = grouped_mm_loop(mat_a, mat_b, offs)
+    else:
         if not torch_backend_ok(mat_a, mat_b):
             raise ValueError(f"backend='torch' needs fp32/bf16/fp16 operands with 16-byte aligned strides, got "
                              f"{mat_a.dtype} with strides {mat_a.stride()} and {mat_b.stride()}; use backend='auto'")
-        return grouped_mm_torch(mat_a, mat_b, offs)
-    from . import triton_grouped_gemm
-
-    return triton_grouped_gemm.grouped_mm(mat_a, mat_b, offs)
+        res = grouped_mm_torch(mat_a, mat_b, offs)
+    if out is None and out_index is None:
+        return res
+    if out is None:
+        out = torch.empty_like(res)
+    if out_index is None:
+        return out.add_(res) if accumulate else out.copy_(res)
+    return out.index_add_(0, out_index, res) if accumulate else out.index_copy_(0, out_index, res)

@@ -1,0 +1,258 @@
+"""Triton variable-size grouped GEMMs (row split and contraction split) with fused gather/scatter.
+
+Semantics are those of ``torch.nn.functional.grouped_mm`` (``offs``: int32/int64 cumulative *end*
+offsets, one per group, no leading zero), extended with optional row indices so that compaction
+and un-permutation need no separate copy (ScatterMoE's idea: the gather happens in the load):
+
+* row split, 2D x 3D (forward, dgrad): ``mat_a [Ma, K]``, ``mat_b [G, K, N]`` (any strides, e.g. a
+  transposed view of ``[G, N, K]`` weights). Logical rows ``i in [0, M)`` with ``M = len(a_index)``
+  (or ``Ma``); logical A row ``i`` is ``mat_a[a_index[i]]``; the rows of group ``g`` are
+  ``offs[g-1] <= i < offs[g]``; logical output row ``i = A_i @ mat_b[g]`` is written to
+  ``out[out_index[i]]`` (or ``out[i]``), or added to it with ``accumulate=True``. ``out`` defaults
+  to a new ``[M, N]`` tensor. ``out_index`` must not repeat a value (no atomics: each output row
+  is owned by one program). Output rows that no logical row addresses are left untouched (rows
+  of a new ``out`` past ``offs[-1]`` are uninitialised, as in torch: never read them).
+* contraction split, 2D x 2D (wgrad): ``mat_a [P, Ma]``, ``mat_b [Mb, N]`` -> ``out [G, P, N]``
+  with ``out[g] = sum_{offs[g-1] <= i < offs[g]} mat_a[:, a_index[i]] (outer) mat_b[b_index[i]]``;
+  empty groups give zeros (or leave ``out[g]`` unchanged with ``accumulate=True``).
+
+Offsets must be non-decreasing; they are clamped to ``M`` inside the kernels, so rows past ``M``
+are never read. Index values are not checked (an out-of-range index is an out-of-bounds access).
+fp32 / bf16 / fp16 operands, fp32 accumulation, output in the input dtype; fp32 uses IEEE fp32
+products unless ``torch.backends.cuda.matmul.allow_tf32`` is set. All address arithmetic is int64.
+
+No host synchronisation: the row-split kernel is persistent (one program per SM) and derives its
+(group, m-tile, n-tile) work list on the device from ``offs``; the contraction split gives one
+program to each (group, output tile), which loops over its group's rows.
+
+Runs on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1`` (set before this module is imported),
+where bf16/fp16 operands are cast to fp32 before ``tl.dot`` (the interpreter's low-precision dot is
+wrong) and a single autotune config is used.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # fixed when the kernels are defined
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def supported(device) -> bool:
+    """True where these kernels run: CUDA, or CPU when the Triton interpreter was on at import."""
+    device = torch.device(device)
+    return device.type == "cuda" or (device.type == "cpu" and INTERPRET)
+
+
+def _configs(hopper: list[tuple[int, int, int, int, int]], interp: tuple[int, int, int]):
+    if INTERPRET:
+        bm, bn, bk = interp
+        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+            for bm, bn, bk, w, s in hopper]
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): Hopper bf16 tiles for N, K in {768..4096}.
+_ROW_CONFIGS = _configs([(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
+                         (64, 256, 64, 8, 4), (128, 64, 64, 4, 4)], (16, 32, 32))
+# Contraction split: BLOCK_M tiles the output rows (P), BLOCK_K the summed rows of the group.
+_WGRAD_CONFIGS = _configs([(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
+                           (128, 128, 32, 4, 5), (64, 128, 64, 4, 4)], (32, 32, 16))
+
+
+@triton.jit
+def _mma(a, b, acc, CAST_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    if CAST_FP32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+
+@triton.autotune(configs=_ROW_CONFIGS, key=["N", "K", "G"], restore_value=["out_ptr"])
+@triton.jit
+def _row_split_kernel(a_ptr, b_ptr, out_ptr, offs_ptr, a_idx_ptr, out_idx_ptr, M, N, K, G,
+                      s_am, s_ak, s_bg, s_bk, s_bn, s_om, s_on,
+                      HAS_A_IDX: tl.constexpr, HAS_OUT_IDX: tl.constexpr, ACCUMULATE: tl.constexpr,
+                      G_POW2: tl.constexpr, CAST_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Work list, on the device: group g has ceil(size_g / BLOCK_M) m-tiles; tiles are numbered
+    # group-major; the group of m-tile t is the number of groups whose tiles all end at or before t.
+    gid = tl.arange(0, G_POW2)
+    end = tl.minimum(tl.load(offs_ptr + gid, mask=gid < G, other=0).to(tl.int64), M)
+    start = tl.minimum(tl.load(offs_ptr + gid - 1, mask=(gid > 0) & (gid < G), other=0).to(tl.int64), M)
+    size = tl.where(gid < G, tl.maximum(end - start, 0), 0)
+    m_tiles = (size + BLOCK_M - 1) // BLOCK_M
+    m_tiles_end = tl.cumsum(m_tiles, 0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    total = tl.sum(m_tiles) * n_tiles
+
+    for tile in range(tl.program_id(0), total, tl.num_programs(0)):
+        mt = tile // n_tiles  # n-fastest: concurrent programs share A rows and one expert's weights
+        nt = tile % n_tiles
+        g = tl.sum((m_tiles_end <= mt).to(tl.int32))
+        mine = gid == g
+        row0 = tl.sum(tl.where(mine, start + (mt - m_tiles_end + m_tiles) * BLOCK_M, 0))
+        row_end = tl.sum(tl.where(mine, end, 0))
+
+        rows = row0 + tl.arange(0, BLOCK_M).to(tl.int64)
+        row_ok = rows < row_end
+        a_rows = tl.load(a_idx_ptr + rows, mask=row_ok, other=0).to(tl.int64) if HAS_A_IDX else rows
+        cols = nt * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+        col_ok = cols < N
+        ks = tl.arange(0, BLOCK_K).to(tl.int64)
+        a_ptrs = a_ptr + a_rows[:, None] * s_am + ks[None, :] * s_ak
+        b_ptrs = b_ptr + g.to(tl.int64) * s_bg + ks[:, None] * s_bk + cols[None, :] * s_bn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = ks < K - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc = _mma(a, b, acc, CAST_FP32, INPUT_PRECISION)
+            a_ptrs += BLOCK_K * s_ak
+            b_ptrs += BLOCK_K * s_bk
+
+        o_rows = tl.load(out_idx_ptr + rows, mask=row_ok, other=0).to(tl.int64) if HAS_OUT_IDX else rows
+        o_ptrs = out_ptr + o_rows[:, None] * s_om + cols[None, :] * s_on
+        o_ok = row_ok[:, None] & col_ok[None, :]
+        if ACCUMULATE:
+            acc += tl.load(o_ptrs, mask=o_ok, other=0.0).to(tl.float32)
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_ok)
+
+
+@triton.autotune(configs=_WGRAD_CONFIGS, key=["P", "N", "G"], restore_value=["out_ptr"])
+@triton.jit
+def _contraction_split_kernel(a_ptr, b_ptr, out_ptr, offs_ptr, a_idx_ptr, b_idx_ptr, M, P, N, G,
+                              s_ap, s_am, s_bm, s_bn, s_og, s_op, s_on,
+                              HAS_A_IDX: tl.constexpr, HAS_B_IDX: tl.constexpr, ACCUMULATE: tl.constexpr,
+                              CAST_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One program per (group, output tile); it loops over the group's rows (BLOCK_K at a time).
+    p_tiles = tl.cdiv(P, BLOCK_M)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    g = pid // (p_tiles * n_tiles)
+    pt = (pid // n_tiles) % p_tiles
+    nt = pid % n_tiles
+    end = tl.minimum(tl.load(offs_ptr + g).to(tl.int64), M)
+    start = tl.minimum(tl.load(offs_ptr + g - 1, mask=g > 0, other=0).to(tl.int64), M)
+
+    ps = pt * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    ns = nt * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    p_ok = ps < P
+    n_ok = ns < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for m0 in range(start, end, BLOCK_K):
+        ms = m0 + tl.arange(0, BLOCK_K).to(tl.int64)
+        m_ok = ms < end
+        a_cols = tl.load(a_idx_ptr + ms, mask=m_ok, other=0).to(tl.int64) if HAS_A_IDX else ms
+        b_rows = tl.load(b_idx_ptr + ms, mask=m_ok, other=0).to(tl.int64) if HAS_B_IDX else ms
+        a = tl.load(a_ptr + ps[:, None] * s_ap + a_cols[None, :] * s_am, mask=p_ok[:, None] & m_ok[None, :], other=0.0)
+        b = tl.load(b_ptr + b_rows[:, None] * s_bm + ns[None, :] * s_bn, mask=m_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = _mma(a, b, acc, CAST_FP32, INPUT_PRECISION)
+
+    o_ptrs = out_ptr + g.to(tl.int64) * s_og + ps[:, None] * s_op + ns[None, :] * s_on
+    o_ok = p_ok[:, None] & n_ok[None, :]
+    if ACCUMULATE:
+        acc += tl.load(o_ptrs, mask=o_ok, other=0.0).to(tl.float32)
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_ok)
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_programs(device: torch.device) -> int:
+    """Persistent grid size: one program per SM (a few under the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def _kernel_flags(dtype: torch.dtype) -> dict:
+    tf32 = dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 and not INTERPRET
+    return dict(CAST_FP32=INTERPRET and dtype != torch.float32, INPUT_PRECISION="tf32" if tf32 else "ieee")
+
+
+def _check_index(name: str, index: torch.Tensor | None, device: torch.device) -> None:
+    if index is None:
+        return
+    if index.dim() != 1 or index.dtype not in (torch.int32, torch.int64) or index.device != device:
+        raise ValueError(f"{name} must be a 1-D int32/int64 tensor on {device}, got {index.dtype} of shape "
+                         f"{tuple(index.shape)} on {index.device}")
+
+
+def _check_out(out: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torch.device, exact: bool) -> None:
+    ok = out.dtype == dtype and out.device == device and out.dim() == len(shape)
+    ok = ok and (tuple(out.shape) == shape if exact else tuple(out.shape[1:]) == shape[1:])
+    if not ok:
+        want = f"[{shape[0] if exact else '*'}, {', '.join(map(str, shape[1:]))}]"
+        raise ValueError(f"out must be a {dtype} tensor of shape {want} on {device}, got {out.dtype} of shape "
+                         f"{tuple(out.shape)} on {out.device}")
+
+
+def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *,
+               a_index: torch.Tensor | None = None, b_index: torch.Tensor | None = None,
+               out_index: torch.Tensor | None = None, out: torch.Tensor | None = None,
+               accumulate: bool = False) -> torch.Tensor:
+    """Grouped GEMM with optional fused gather/scatter (semantics in the module docstring).
+
+    ``a_index`` gathers rows of ``mat_a`` (row split) or columns of ``mat_a`` (contraction split);
+    ``b_index`` gathers rows of ``mat_b`` (contraction split only); ``out_index`` scatters output
+    rows (row split only); ``accumulate`` adds into ``out`` instead of overwriting it."""
+    from .grouped_gemm import check_grouped_mm_args
+
+    G = check_grouped_mm_args(mat_a, mat_b, offs, a_index=a_index, b_index=b_index)
+    dtype, device = mat_a.dtype, mat_a.device
+    if dtype not in DTYPES:
+        raise ValueError(f"the triton grouped_mm supports {[str(d) for d in DTYPES]}, got {dtype}; use backend='loop'")
+    if not supported(device) or mat_b.device != device or offs.device != device:
+        raise ValueError(f"the triton grouped_mm runs on CUDA (or CPU under TRITON_INTERPRET=1 set before import); "
+                         f"got mat_a on {device}, mat_b on {mat_b.device}, offs on {offs.device}")
+    for name, index in (("a_index", a_index), ("b_index", b_index), ("out_index", out_index)):
+        _check_index(name, index, device)
+    if accumulate and out is None:
+        raise ValueError("accumulate=True needs out=")
+    flags = _kernel_flags(dtype)
+    dummy = offs  # stands in for absent index pointers (never read)
+
+    if mat_b.dim() == 3:
+        if b_index is not None:
+            raise ValueError("b_index applies to the contraction split (2D x 2D) only")
+        M = a_index.numel() if a_index is not None else mat_a.shape[0]
+        K, N = mat_b.shape[1], mat_b.shape[2]
+        if out is None:
+            out = torch.empty(M, N, dtype=dtype, device=device)
+        _check_out(out, (M, N), dtype, device, exact=out_index is None)
+        if M == 0 or N == 0 or G == 0:
+            return out
+        nprog = _num_programs(device)
+        grid = lambda meta: (min(nprog, (triton.cdiv(M, meta["BLOCK_M"]) + G) * triton.cdiv(N, meta["BLOCK_N"])),)
+        _row_split_kernel[grid](
+            mat_a, mat_b, out, offs, a_index if a_index is not None else dummy,
+            out_index if out_index is not None else dummy, M, N, K, G,
+            *mat_a.stride(), *mat_b.stride(), *out.stride(),
+            HAS_A_IDX=a_index is not None, HAS_OUT_IDX=out_index is not None, ACCUMULATE=accumulate,
+            G_POW2=triton.next_power_of_2(G), **flags)
+        return out
+
+    if out_index is not None:
+        raise ValueError("out_index applies to the row split (2D x 3D) only")
+    P, N = mat_a.shape[0], mat_b.shape[1]
+    M = a_index.numel() if a_index is not None else mat_a.shape[1]
+    if out is None:
+        out = torch.empty(G, P, N, dtype=dtype, device=device)
+    _check_out(out, (G, P, N), dtype, device, exact=True)
+    if out.numel() == 0:
+        return out
+    grid = lambda meta: (G * triton.cdiv(P, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+    _contraction_split_kernel[grid](
+        mat_a, mat_b, out, offs, a_index if a_index is not None else dummy,
+        b_index if b_index is not None else dummy, M, P, N, G,
+        *mat_a.stride(), *mat_b.stride(), *out.stride(),
+        HAS_A_IDX=a_index is not None, HAS_B_IDX=b_index is not None, ACCUMULATE=accumulate, **flags)
+    return out
