@@ -14,6 +14,8 @@ Backward, given g = dL/dy:
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -82,6 +84,25 @@ def buffer_bytes(N: int, H: int, I: int, itemsize: int) -> int:
     return N * (H + H + 2 * I + I + I + 2 * I + H) * itemsize
 
 
+class _Stopwatch:
+    """Phase timings of one backward (only when ``policy.profile``; synchronises the device)."""
+
+    def __init__(self, enabled: bool, device: torch.device):
+        self.enabled, self.device, self.times = enabled, device, {}
+        self._last = self._now() if enabled else 0.0
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        if self.enabled:
+            now = self._now()
+            self.times[phase] = self.times.get(phase, 0.0) + now - self._last
+            self._last = now
+
+
 class _SelectiveExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_TH, top_k_weights_TK, gate_up_proj, down_proj, top_k_index_TK, policy, record):
@@ -94,8 +115,8 @@ class _SelectiveExperts(torch.autograd.Function):
         quota_E = quota_for(demand_E, n_keep, policy.quota, **policy.quota_kwargs) if n_keep < P else demand_E
 
         token_P = perm_P // K  # token of each pair, in sorted order
-        x_TH = hidden_TH.to(w_dtype)
-        GU = grouped_mm(x_TH[token_P], gate_up_proj.transpose(1, 2), offs_E, backend=policy.backend)
+        X = hidden_TH.to(w_dtype)[token_P]
+        GU = grouped_mm(X, gate_up_proj.transpose(1, 2), offs_E, backend=policy.backend)
         h = _swiglu(GU)
         O = grouped_mm(h, down_proj.transpose(1, 2), offs_E, backend=policy.backend)
         phi_norm2_TK = None
@@ -111,27 +132,32 @@ class _SelectiveExperts(torch.autograd.Function):
         acc = _acc_dtype(O_TKH, top_k_weights_TK)
         y = torch.bmm(top_k_weights_TK.to(acc).unsqueeze(1), O_TKH.to(acc)).squeeze(1).to(hidden_TH.dtype)
 
+        # Compact mode re-gathers the inputs of kept rows only in backward (saving P x H of
+        # activation memory); when every row is used in backward, the gathered input is kept.
+        compacts = policy.mode == "compact" and n_keep < P
         ctx.save_for_backward(hidden_TH, top_k_weights_TK, gate_up_proj, down_proj, top_k_index_TK,
-                              perm_P, offs_E, demand_E, quota_E, GU, O_TKH, phi_norm2_TK)
-        ctx.policy, ctx.record, ctx.n_keep = policy, record, n_keep
+                              perm_P, offs_E, demand_E, quota_E, GU, O_TKH, phi_norm2_TK, None if compacts else X)
+        ctx.policy, ctx.record, ctx.n_keep, ctx.compacts = policy, record, n_keep, compacts
         return y
 
     @staticmethod
     def backward(ctx, g_TH):
         (hidden_TH, alpha_TK, gate_up_proj, down_proj, top_k_index_TK, perm_P, offs_E, demand_E, quota_E,
-         GU, O_TKH, phi_norm2_TK) = ctx.saved_tensors
+         GU, O_TKH, phi_norm2_TK, X) = ctx.saved_tensors
         policy, record, n_keep = ctx.policy, ctx.record, ctx.n_keep
         T, K = top_k_index_TK.shape
         P = T * K
         E, I2, H = gate_up_proj.shape
         w_dtype = gate_up_proj.dtype
         g_TH = g_TH.contiguous()
+        watch = _Stopwatch(policy.profile, g_TH.device)
 
         # 1. Router gradient for every pair, kept or not.
         grad_alpha = None
         if ctx.needs_input_grad[1]:
             acc = _acc_dtype(O_TKH, alpha_TK)
             grad_alpha = torch.bmm(O_TKH.to(acc), g_TH.to(acc).unsqueeze(-1)).squeeze(-1).to(alpha_TK.dtype)
+        watch.lap("router_grad")
 
         # 2. Scores and selection.
         scores_TK = keep_P = None
@@ -141,28 +167,33 @@ class _SelectiveExperts(torch.autograd.Function):
             scores_TK = get_scorer(policy.scorer)(inputs, **policy.scorer_kwargs).float().reshape(T, K)
             if n_keep < P:
                 keep_P = select_top_quota(scores_TK.reshape(-1), top_k_index_TK.reshape(-1), quota_E)
+        watch.lap("score_select")
 
         # 3. Rows entering the expert backward: all, kept (compact) or all with dropped zeroed (mask).
         token_P = perm_P // K
         alpha_P = alpha_TK.reshape(-1)
-        if keep_P is not None and policy.mode == "compact":
+        if ctx.compacts:
             pos = kept_positions(keep_P, perm_P, n_keep)
             rows_pair, offs = perm_P[pos], torch.cumsum(quota_E, 0).to(torch.int32)
             rows_token, GU_rows = token_P[pos], GU[pos]
+            X = hidden_TH.to(w_dtype)[rows_token]
         else:
             rows_pair, offs, rows_token, GU_rows = perm_P, offs_E, token_P, GU
+        watch.lap("compact")
         acc = _acc_dtype(g_TH, alpha_TK)
         G = g_TH[rows_token].to(acc) * alpha_P[rows_pair].to(acc).unsqueeze(1)
         if keep_P is not None and policy.mode == "mask":
             G = torch.where(keep_P[rows_pair].unsqueeze(1), G, torch.zeros((), dtype=G.dtype, device=G.device))
         G = G.to(w_dtype)
-        X = hidden_TH.to(w_dtype)[rows_token]
+        watch.lap("grad_rows")
 
         # 4. Grouped GEMMs over those rows only.
         dX, dW_gu, dW_d = expert_backward(G, GU_rows, X, offs, gate_up_proj, down_proj, backend=policy.backend)
+        watch.lap("gemm")
         grad_hidden = None
         if ctx.needs_input_grad[0]:
             grad_hidden = torch.zeros_like(hidden_TH).index_add_(0, rows_token, dX.to(hidden_TH.dtype))
+        watch.lap("scatter")
 
         if record is not None:
             if keep_P is None:
@@ -174,7 +205,7 @@ class _SelectiveExperts(torch.autograd.Function):
                 nonfinite = (~torch.isfinite(g_TH)).any(-1).sum() * K
             record.fill(demand=demand_E, quota=quota_E, kept=kept_E, kept_mask=keep_P.view(T, K),
                         scores=scores_TK, nonfinite=nonfinite, mode=policy.mode, drop_ratio=policy.drop_ratio,
-                        buffer_bytes=buffer_bytes(G.shape[0], H, I2 // 2, G.element_size()))
+                        buffer_bytes=buffer_bytes(G.shape[0], H, I2 // 2, G.element_size()), timings=watch.times)
         return grad_hidden, grad_alpha, dW_gu, dW_d, None, None, None
 
 

@@ -27,6 +27,8 @@ class BackwardPolicy:
         zero-masked in full-size GEMMs; saves nothing, kept for the ablation).
     seed: seed of the ``random`` scorer's generator (None: torch's global RNG).
     backend: grouped GEMM backend (``auto``, ``triton``, ``torch``, ``loop``).
+    profile: record per-phase backward timings in ``BackwardRecord.timings`` (synchronises the
+        device after each phase: for analysis, not for training runs).
     """
 
     drop_ratio: float = 0.0
@@ -37,6 +39,7 @@ class BackwardPolicy:
     scorer_kwargs: dict = field(default_factory=dict)
     quota_kwargs: dict = field(default_factory=dict)
     backend: str = "auto"
+    profile: bool = False
 
     def __post_init__(self):
         self.drop_ratio = check_drop_ratio(self.drop_ratio)
@@ -49,6 +52,11 @@ class BackwardPolicy:
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         self._generators: dict[torch.device, torch.Generator] = {}
+
+    def __getstate__(self):  # generators are device state, not configuration
+        state = dict(self.__dict__)
+        state["_generators"] = {}
+        return state
 
     @property
     def selects(self) -> bool:
@@ -72,7 +80,10 @@ class BackwardRecord:
     kept [E]: pairs kept in backward; kept_mask [T, K] bool; scores [T, K] float32 (None when the
     policy does not score, i.e. mode ``full`` or drop_ratio 0); nonfinite: number of pairs whose
     score (or, without scoring, whose incoming gradient) is NaN/Inf; buffer_bytes: bytes of the
-    backward execution buffers (gathered rows, intermediate and output gradients of the GEMMs).
+    backward execution buffers (gathered rows, intermediate and output gradients of the GEMMs);
+    timings: seconds per backward phase when the policy has ``profile=True``: router_grad,
+    score_select, compact (kept positions and the gathers of kept rows; zero without
+    compaction), grad_rows (alpha * g rows), gemm, scatter.
     """
 
     def __init__(self, on_fill: Callable[["BackwardRecord"], None] | None = None):
@@ -81,6 +92,7 @@ class BackwardRecord:
         self.mode: str | None = None
         self.drop_ratio: float | None = None
         self.buffer_bytes = 0
+        self.timings: dict[str, float] = {}
         self._nonfinite: torch.Tensor | int = 0
         self._on_fill = on_fill
 
