@@ -148,7 +148,8 @@ def check_targets(rows) -> list[str]:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="lrmoe bench layer", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", action="append", choices=sorted(SHAPES),
                     help="repeatable; default: cpu-small and cpu-wide on CPU, qwen3-30b-a3b on CUDA")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")

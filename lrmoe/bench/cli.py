@@ -1,0 +1,18 @@
+"""`lrmoe bench <target> [options]`: benchmarks that print a table and write JSON."""
+from __future__ import annotations
+
+TARGETS = {"layer": "lrmoe.bench.layer"}
+
+
+def register_cli(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks (print a table, write JSON)", add_help=False)
+    p.add_argument("target", choices=sorted(TARGETS), help="what to benchmark; `lrmoe bench layer --help` for options")
+    p.add_argument("rest", nargs="...", help="options of the benchmark")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import importlib
+
+    importlib.import_module(TARGETS[args.target]).main(args.rest)
+    return 0
