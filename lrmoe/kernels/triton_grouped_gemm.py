@@ -23,7 +23,10 @@ products unless ``torch.backends.cuda.matmul.allow_tf32`` is set. All address ar
 
 No host synchronisation: the row-split kernel is persistent (one program per SM) and derives its
 (group, m-tile, n-tile) work list on the device from ``offs``; the contraction split gives one
-program to each (group, output tile), which loops over its group's rows.
+program to each (group, output tile), which loops over its group's rows. On Hopper the row split
+loads the weights (3-D descriptor: a K tail is zero-filled, never the next expert) and ungathered
+A rows through TMA descriptors, falling back to pointer loads if they fail to compile.
+See docs/kernels.md.
 
 Runs on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1`` (set before this module is imported),
 where bf16/fp16 operands are cast to fp32 before ``tl.dot`` (the interpreter's low-precision dot is
@@ -32,10 +35,16 @@ wrong) and a single autotune config is used.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import triton
 import triton.language as tl
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - Triton without host-side TMA descriptors
+    TensorDescriptor = None
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # fixed when the kernels are defined
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -47,17 +56,25 @@ def supported(device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and INTERPRET)
 
 
-def _configs(hopper: list[tuple[int, int, int, int, int]], interp: tuple[int, int, int]):
+def _set_tma_blocks(nargs) -> None:
+    """Autotune pre-hook: give the host-side TMA descriptors the block shape of the chosen config."""
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    if nargs.get("a_desc") is not None:
+        nargs["a_desc"].block_shape = [bm, bk]
+    if nargs.get("b_desc") is not None:
+        nargs["b_desc"].block_shape = [1, bn, bk] if nargs["B_KMAJOR"] else [1, bk, bn]
+
+
+def _configs(hopper: list[tuple[int, int, int, int, int]], interp: tuple[int, int, int], pre_hook=None):
     if INTERPRET:
-        bm, bn, bk = interp
-        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+        hopper = [(*interp, 4, 1)]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s, pre_hook=pre_hook)
             for bm, bn, bk, w, s in hopper]
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): Hopper bf16 tiles for N, K in {768..4096}.
 _ROW_CONFIGS = _configs([(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
-                         (64, 256, 64, 8, 4), (128, 64, 64, 4, 4)], (16, 32, 32))
+                         (64, 256, 64, 8, 4), (128, 64, 64, 4, 4)], (16, 32, 32), _set_tma_blocks)
 # Contraction split: BLOCK_M tiles the output rows (P), BLOCK_K the summed rows of the group.
 _WGRAD_CONFIGS = _configs([(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
                            (128, 128, 32, 4, 5), (64, 128, 64, 4, 4)], (32, 32, 16))
@@ -71,11 +88,13 @@ def _mma(a, b, acc, CAST_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
 
 
-@triton.autotune(configs=_ROW_CONFIGS, key=["N", "K", "G"], restore_value=["out_ptr"])
+@triton.autotune(configs=_ROW_CONFIGS, key=["N", "K", "G", "HAS_A_IDX", "HAS_OUT_IDX", "A_TMA", "B_TMA"],
+                 restore_value=["out_ptr"])
 @triton.jit
-def _row_split_kernel(a_ptr, b_ptr, out_ptr, offs_ptr, a_idx_ptr, out_idx_ptr, M, N, K, G,
+def _row_split_kernel(a_ptr, b_ptr, out_ptr, offs_ptr, a_idx_ptr, out_idx_ptr, a_desc, b_desc, M, N, K, G,
                       s_am, s_ak, s_bg, s_bk, s_bn, s_om, s_on,
                       HAS_A_IDX: tl.constexpr, HAS_OUT_IDX: tl.constexpr, ACCUMULATE: tl.constexpr,
+                      A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
                       G_POW2: tl.constexpr, CAST_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # Work list, on the device: group g has ceil(size_g / BLOCK_M) m-tiles; tiles are numbered
@@ -105,11 +124,22 @@ def _row_split_kernel(a_ptr, b_ptr, out_ptr, offs_ptr, a_idx_ptr, out_idx_ptr, M
         ks = tl.arange(0, BLOCK_K).to(tl.int64)
         a_ptrs = a_ptr + a_rows[:, None] * s_am + ks[None, :] * s_ak
         b_ptrs = b_ptr + g.to(tl.int64) * s_bg + ks[:, None] * s_bk + cols[None, :] * s_bn
+        row0_i32 = row0.to(tl.int32)  # TMA coordinates are int32
+        n0 = (nt * BLOCK_N).to(tl.int32)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_ok = ks < K - k0
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if A_TMA:  # rows of the next group are read too, but their outputs are never stored
+                a = a_desc.load([row0_i32, k0])
+            else:
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if B_TMA:  # 3-D box: the K tail is zero-filled, never the next expert's rows
+                if B_KMAJOR:
+                    b = b_desc.load([g, n0, k0]).reshape(BLOCK_N, BLOCK_K).T
+                else:
+                    b = b_desc.load([g, k0, n0]).reshape(BLOCK_K, BLOCK_N)
+            else:
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             acc = _mma(a, b, acc, CAST_FP32, INPUT_PRECISION)
             a_ptrs += BLOCK_K * s_ak
             b_ptrs += BLOCK_K * s_bk
@@ -178,6 +208,24 @@ def _kernel_flags(dtype: torch.dtype) -> dict:
     return dict(CAST_FP32=INTERPRET and dtype != torch.float32, INPUT_PRECISION="tf32" if tf32 else "ieee")
 
 
+_TMA_FAILED: list[str] = []  # set once when TMA descriptors fail to compile here; then pointer loads only
+
+
+def _tma_auto(device: torch.device) -> bool:
+    return (TensorDescriptor is not None and not _TMA_FAILED and device.type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def _tma_desc(t: torch.Tensor, dims: list[int]):
+    """Host TMA descriptor over ``t`` with its dimensions in the order ``dims`` (the last must have
+    unit stride), or None where TMA cannot address it (16-byte aligned base and strides needed)."""
+    shape, strides = [t.shape[d] for d in dims], [t.stride(d) for d in dims]
+    item = t.element_size()
+    if strides[-1] != 1 or t.data_ptr() % 16 or any(s * item % 16 for s in strides[:-1]) or shape[-1] * item < 16:
+        return None
+    return TensorDescriptor(t, shape, strides, [1] * len(dims))  # block shape set per config (_set_tma_blocks)
+
+
 def _check_index(name: str, index: torch.Tensor | None, device: torch.device) -> None:
     if index is None:
         return
@@ -198,12 +246,16 @@ def _check_out(out: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torc
 def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *,
                a_index: torch.Tensor | None = None, b_index: torch.Tensor | None = None,
                out_index: torch.Tensor | None = None, out: torch.Tensor | None = None,
-               accumulate: bool = False) -> torch.Tensor:
+               accumulate: bool = False, tma: bool | None = None) -> torch.Tensor:
     """Grouped GEMM with optional fused gather/scatter (semantics in the module docstring).
 
     ``a_index`` gathers rows of ``mat_a`` (row split) or columns of ``mat_a`` (contraction split);
     ``b_index`` gathers rows of ``mat_b`` (contraction split only); ``out_index`` scatters output
-    rows (row split only); ``accumulate`` adds into ``out`` instead of overwriting it."""
+    rows (row split only); ``accumulate`` adds into ``out`` instead of overwriting it.
+    ``tma``: load the row split's weights (and its A rows when not gathered) through TMA
+    descriptors where the layout allows; None (default) = on Hopper or newer, falling back to
+    pointer loads for good if compilation fails; True = wherever the layout allows (also under
+    the interpreter, for tests), errors propagate; False = never."""
     from .grouped_gemm import check_grouped_mm_args
 
     G = check_grouped_mm_args(mat_a, mat_b, offs, a_index=a_index, b_index=b_index)
@@ -232,12 +284,29 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *,
             return out
         nprog = _num_programs(device)
         grid = lambda meta: (min(nprog, (triton.cdiv(M, meta["BLOCK_M"]) + G) * triton.cdiv(N, meta["BLOCK_N"])),)
-        _row_split_kernel[grid](
-            mat_a, mat_b, out, offs, a_index if a_index is not None else dummy,
-            out_index if out_index is not None else dummy, M, N, K, G,
-            *mat_a.stride(), *mat_b.stride(), *out.stride(),
-            HAS_A_IDX=a_index is not None, HAS_OUT_IDX=out_index is not None, ACCUMULATE=accumulate,
-            G_POW2=triton.next_power_of_2(G), **flags)
+
+        def launch(use_tma: bool):
+            a_desc = _tma_desc(mat_a, [0, 1]) if use_tma and a_index is None else None
+            b_kmajor = mat_b.stride(2) != 1
+            b_desc = _tma_desc(mat_b, [0, 2, 1] if b_kmajor else [0, 1, 2]) if use_tma else None
+            _row_split_kernel[grid](
+                mat_a, mat_b, out, offs, a_index if a_index is not None else dummy,
+                out_index if out_index is not None else dummy, a_desc, b_desc, M, N, K, G,
+                *mat_a.stride(), *mat_b.stride(), *out.stride(),
+                HAS_A_IDX=a_index is not None, HAS_OUT_IDX=out_index is not None, ACCUMULATE=accumulate,
+                A_TMA=a_desc is not None, B_TMA=b_desc is not None, B_KMAJOR=b_kmajor,
+                G_POW2=triton.next_power_of_2(G), **flags)
+
+        if tma is None and _tma_auto(device):
+            try:
+                launch(True)
+            except Exception as e:  # noqa: BLE001 - any compile failure: fall back to pointer loads
+                _TMA_FAILED.append(f"{type(e).__name__}: {e}")
+                warnings.warn(f"TMA descriptors failed in the Triton grouped GEMM ({_TMA_FAILED[0][:300]}); "
+                              "using pointer loads from now on")
+                launch(False)
+        else:
+            launch(bool(tma))
         return out
 
     if out_index is not None:
