@@ -103,10 +103,10 @@ def _row_split_kernel(a_ptr, b_ptr, out_ptr, offs_ptr, a_idx_ptr, out_idx_ptr, a
     end = tl.minimum(tl.load(offs_ptr + gid, mask=gid < G, other=0).to(tl.int64), M)
     start = tl.minimum(tl.load(offs_ptr + gid - 1, mask=(gid > 0) & (gid < G), other=0).to(tl.int64), M)
     size = tl.where(gid < G, tl.maximum(end - start, 0), 0)
-    m_tiles = (size + BLOCK_M - 1) // BLOCK_M
+    m_tiles = ((size + BLOCK_M - 1) // BLOCK_M).to(tl.int32)
     m_tiles_end = tl.cumsum(m_tiles, 0)
     n_tiles = tl.cdiv(N, BLOCK_N)
-    total = tl.sum(m_tiles) * n_tiles
+    total = tl.sum(m_tiles) * n_tiles  # int32: tile counts are far below 2**31
 
     for tile in range(tl.program_id(0), total, tl.num_programs(0)):
         mt = tile // n_tiles  # n-fastest: concurrent programs share A rows and one expert's weights
@@ -154,16 +154,17 @@ def _row_split_kernel(a_ptr, b_ptr, out_ptr, offs_ptr, a_idx_ptr, out_idx_ptr, a
 
 @triton.autotune(configs=_WGRAD_CONFIGS, key=["P", "N", "G"], restore_value=["out_ptr"])
 @triton.jit
-def _contraction_split_kernel(a_ptr, b_ptr, out_ptr, offs_ptr, a_idx_ptr, b_idx_ptr, M, P, N, G,
+def _contraction_split_kernel(a_ptr, b_ptr, out_ptr, offs_ptr, order_ptr, a_idx_ptr, b_idx_ptr, M, P, N, G,
                               s_ap, s_am, s_bm, s_bn, s_og, s_op, s_on,
                               HAS_A_IDX: tl.constexpr, HAS_B_IDX: tl.constexpr, ACCUMULATE: tl.constexpr,
                               CAST_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # One program per (group, output tile); it loops over the group's rows (BLOCK_K at a time).
+    # Groups are taken largest first (order_ptr), so a hot expert's long tiles do not start last.
     p_tiles = tl.cdiv(P, BLOCK_M)
     n_tiles = tl.cdiv(N, BLOCK_N)
     pid = tl.program_id(0)
-    g = pid // (p_tiles * n_tiles)
+    g = tl.load(order_ptr + pid // (p_tiles * n_tiles))
     pt = (pid // n_tiles) % p_tiles
     nt = pid % n_tiles
     end = tl.minimum(tl.load(offs_ptr + g).to(tl.int64), M)
@@ -205,7 +206,8 @@ def _num_programs(device: torch.device) -> int:
 
 def _kernel_flags(dtype: torch.dtype) -> dict:
     tf32 = dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 and not INTERPRET
-    return dict(CAST_FP32=INTERPRET and dtype != torch.float32, INPUT_PRECISION="tf32" if tf32 else "ieee")
+    precision = ("tf32" if tf32 else "ieee") if dtype == torch.float32 else None  # None: the default for 16-bit
+    return dict(CAST_FP32=INTERPRET and dtype != torch.float32, INPUT_PRECISION=precision)
 
 
 _TMA_FAILED: list[str] = []  # set once when TMA descriptors fail to compile here; then pointer loads only
@@ -295,7 +297,7 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *,
                 *mat_a.stride(), *mat_b.stride(), *out.stride(),
                 HAS_A_IDX=a_index is not None, HAS_OUT_IDX=out_index is not None, ACCUMULATE=accumulate,
                 A_TMA=a_desc is not None, B_TMA=b_desc is not None, B_KMAJOR=b_kmajor,
-                G_POW2=triton.next_power_of_2(G), **flags)
+                G_POW2=max(16, triton.next_power_of_2(G)), **flags)
 
         if tma is None and _tma_auto(device):
             try:
@@ -319,8 +321,10 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *,
     if out.numel() == 0:
         return out
     grid = lambda meta: (G * triton.cdiv(P, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    order = torch.argsort(sizes, descending=True, stable=True).to(torch.int32)  # on the device: no sync
     _contraction_split_kernel[grid](
-        mat_a, mat_b, out, offs, a_index if a_index is not None else dummy,
+        mat_a, mat_b, out, offs, order, a_index if a_index is not None else dummy,
         b_index if b_index is not None else dummy, M, P, N, G,
         *mat_a.stride(), *mat_b.stride(), *out.stride(),
         HAS_A_IDX=a_index is not None, HAS_B_IDX=b_index is not None, ACCUMULATE=accumulate, **flags)
