@@ -10,7 +10,7 @@ Backward, given g = dL/dy:
   2. scores R_u = scorer(alpha, g, phi); per expert keep the q_e best (ties: lower pair index;
      non-finite scores first);
   3. compact the kept rows (alpha*g, GU, X) into contiguous per-expert buffers;
-  4. grouped GEMMs over kept rows only: dW_d, dh, SwiGLU backward, dW_gu, dX; scatter-add dX.
+  4. grouped GEMMs over kept rows only: dW_d, dh, SwiGLU backward, dW_gu, dX; sum dX per token (segmented, deterministic).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .kernels.grouped_gemm import grouped_mm
-from .kernels.routing import kept_positions, select_top_quota, sort_pairs_by_expert
+from .kernels.routing import kept_positions, select_top_quota, sort_pairs_by_expert, sum_rows_by_token
 from .policy import BackwardPolicy, BackwardRecord
 from .quota import quota_for, retained_total
 from .scorers import ScoreInputs, get_scorer
@@ -54,12 +54,15 @@ def _swiglu(gu: torch.Tensor) -> torch.Tensor:
 
 
 def _swiglu_backward(gu: torch.Tensor, dh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (h, dGU) for h = silu(gate) * up, given dL/dh."""
+    """Returns (h, dGU) for h = silu(gate) * up, given dL/dh (written in place into one buffer)."""
     gate, up = gu.chunk(2, dim=-1)
-    sig = torch.sigmoid(gate)
-    silu = gate * sig
-    dgu = torch.cat([dh * up * (sig * (1 + gate * (1 - sig))), dh * silu], dim=-1)
-    return silu * up, dgu
+    I = gate.shape[-1]
+    dgu = torch.empty_like(gu)
+    silu = F.silu(gate)
+    torch.mul(dh, silu, out=dgu[:, I:])  # dL/dup
+    torch.mul(dh, up, out=dgu[:, :I])  # dL/dsilu(gate)
+    torch.ops.aten.silu_backward.grad_input(dgu[:, :I], gate, grad_input=dgu[:, :I])  # dL/dgate
+    return silu.mul_(up), dgu
 
 
 def _acc_dtype(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
@@ -181,7 +184,7 @@ class _SelectiveExperts(torch.autograd.Function):
             rows_pair, offs, rows_token, GU_rows = perm_P, offs_E, token_P, GU
         watch.lap("compact")
         acc = _acc_dtype(g_TH, alpha_TK)
-        G = g_TH[rows_token].to(acc) * alpha_P[rows_pair].to(acc).unsqueeze(1)
+        G = g_TH.index_select(0, rows_token).to(acc).mul_(alpha_P.index_select(0, rows_pair).to(acc).unsqueeze(1))
         if keep_P is not None and policy.mode == "mask":
             G = torch.where(keep_P[rows_pair].unsqueeze(1), G, torch.zeros((), dtype=G.dtype, device=G.device))
         G = G.to(w_dtype)
@@ -192,7 +195,7 @@ class _SelectiveExperts(torch.autograd.Function):
         watch.lap("gemm")
         grad_hidden = None
         if ctx.needs_input_grad[0]:
-            grad_hidden = torch.zeros_like(hidden_TH).index_add_(0, rows_token, dX.to(hidden_TH.dtype))
+            grad_hidden = sum_rows_by_token(dX, rows_pair, T, K).to(hidden_TH.dtype)
         watch.lap("scatter")
 
         if record is not None:

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from lrmoe.kernels import grouped_mm, grouped_mm_loop, kept_positions, select_top_quota, select_top_quota_loop
-from lrmoe.kernels.routing import sort_pairs_by_expert
+from lrmoe.kernels.routing import sort_pairs_by_expert, sum_rows_by_token, sum_rows_by_token_loop
 
 
 def random_offsets(M, G, *, zeros=True):
@@ -113,3 +113,15 @@ def test_select_top_quota_matches_loop():
         perm, _, _ = sort_pairs_by_expert(expert[:, None], E)
         pos = kept_positions(keep, perm, int(quota.sum()))
         assert torch.equal(expert[perm[pos]], torch.sort(expert[keep]).values)  # expert-contiguous
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_sum_rows_by_token(dtype):
+    for T, K in [(1, 1), (7, 3), (20, 2)]:
+        P = T * K
+        n = int(torch.randint(0, P + 1, ()))
+        rows_pair = torch.randperm(P)[:n]  # any subset of pairs, any order; some tokens get nothing
+        rows = torch.randn(n, 5, dtype=dtype)
+        out = sum_rows_by_token(rows, rows_pair, T, K)
+        torch.testing.assert_close(out, sum_rows_by_token_loop(rows, rows_pair, T, K))
+        assert out.shape == (T, 5)
