@@ -50,7 +50,7 @@ def _check_inputs(hidden_TH, top_k_index_TK, top_k_weights_TK, gate_up_proj, dow
 
 def _swiglu(gu: torch.Tensor) -> torch.Tensor:
     gate, up = gu.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate).mul_(up)
 
 
 def _swiglu_backward(gu: torch.Tensor, dh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,9 +129,9 @@ class _SelectiveExperts(torch.autograd.Function):
             phi_norm2_TK[perm_P] = (hf * hf).sum(-1)
             phi_norm2_TK = phi_norm2_TK.view(T, K)
         del h
-        O_TKH = torch.empty_like(O)
-        O_TKH[perm_P] = O
-        O_TKH = O_TKH.view(T, K, -1)
+        inv_perm = torch.empty_like(perm_P)
+        inv_perm[perm_P] = torch.arange(P, device=perm_P.device)
+        O_TKH = O.index_select(0, inv_perm).view(T, K, -1)  # back to pair order
         acc = _acc_dtype(O_TKH, top_k_weights_TK)
         y = torch.bmm(top_k_weights_TK.to(acc).unsqueeze(1), O_TKH.to(acc)).squeeze(1).to(hidden_TH.dtype)
 
