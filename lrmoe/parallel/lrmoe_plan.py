@@ -1,0 +1,216 @@
+"""LRMoE's joint quota + placement planner ("lrmoe"), run before the expert forward.
+
+Given this step's exact demand d_{r,e}, the planner decides together
+
+* the backward retention quota q_e of every expert (``lrmoe.quota.compute_quota``; the largest
+  total n_keep <= round((1 - drop_ratio) * P) whose plan fits the memory budget), and
+* the replicas and the routing of every expert's pairs to its instances.
+
+What it optimises. With B = ``backward_weight`` (2: a backward row costs two GEMMs of the
+forward's size) the work of rank r is
+
+    cost_r = F_r + B * K_r,  F_r = forward rows its instances compute, K_r = kept backward rows,
+
+and the planner minimises the slowest rank's cost, max_r cost_r, over replica placements that
+
+* use at most ``replica_slots`` replica slots per rank, at most one copy of an expert per rank,
+  replicas only inside the owner's fast domain, no replica with fewer than ``min_rows`` rows;
+* keep every rank's (estimated) memory within the budget when a replica is added.
+
+Within an expert every instance keeps the same fraction q_e / d_e of its rows (largest
+remainder), so the per-instance selection by score matches the expert's selection as closely as
+possible, and a row of expert e costs w_e = 1 + B * q_e / d_e wherever it runs. The retained
+demand therefore drives replication: a hot expert whose quota was trimmed (waterfill trims the
+hottest first) weighs less and may no longer need a replica. The search is UltraEP-style: the
+smallest integer threshold tau for which a greedy (ranks by descending cost, their experts by
+descending weighted load, each chunk to the in-domain rank with the most slack that has a free
+slot and memory headroom) brings every rank to cost <= tau; the slack left is then used to move
+rows off ranks still over the memory budget. Pairs are routed locality-first
+(:func:`lrmoe.parallel.plan.locality_split`), each instance receiving exactly its row capacity;
+backward quotas per (source, instance) are proportional to the pairs sent.
+
+Under memory pressure quotas shrink (``fallback == "shrink_quota"``, bisection on n_keep down to
+``max_drop_ratio``), the forward stays complete; only when even that does not fit is the
+microbatch split (``split_microbatch:N``) or, with ``fallback="oom"``, an out-of-memory reported.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from ..quota import check_drop_ratio, compute_quota, retained_total
+from .memory import instance_bytes, token_row_bytes
+from .plan import (Cluster, ModelDims, largest_remainder, locality_split, make_plan, owned_layout, register_placement,
+                   replica_instances, resolve_budget)
+
+_EPS = 1e-9
+
+
+def _quota(d_E: np.ndarray, n_keep: int, policy: str, options: dict) -> np.ndarray:
+    """Quotas summing to n_keep from the quota policy (via compute_quota's drop ratio)."""
+    P = int(d_E.sum())
+    if n_keep >= P:
+        return d_E.copy()
+    if n_keep == 0:
+        return np.zeros_like(d_E)
+    q = compute_quota(d_E, 1.0 - n_keep / P, policy, **options)
+    assert int(q.sum()) == n_keep, (int(q.sum()), n_keep)
+    return q
+
+
+def _greedy(tau, cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, domain_G, rep_bytes, budget,
+            min_rows):
+    """Replicas (expert, rank, rows) that bring every rank to cost <= tau, or None.
+
+    Pass 1 sheds every rank's cost excess (ranks by descending cost, their experts by descending
+    weighted load); pass 2 then uses the slack left to shed memory from ranks still over the
+    budget (best effort). A receiver never goes over tau nor over the budget."""
+    cost_G = cost_G.astype(np.float64)
+    excess = np.maximum(cost_G - tau, 0.0)
+    slack = np.maximum(tau - cost_G, 0.0)
+    if excess.sum() > slack.sum() + _EPS:
+        return None
+    mem = mem_G.astype(np.float64)
+    free = free_G.copy()
+    hosts = [{int(r)} for r in owner_E]
+    moved = np.zeros_like(d_E)
+    replicas = []
+
+    def shed(r, need):
+        """Move rows off rank r until its cost excess ``need`` is gone (and, in pass 2, its memory
+        is within budget); returns the cost excess left."""
+        mine = np.flatnonzero(owner_E == r)
+        for e in mine[np.argsort(-L_E[mine], kind="stable")]:
+            w, rb = w_E[e], row_bytes_E[e]
+            while (need > _EPS or mem[r] > budget) and d_E[e] - moved[e] > 0:
+                ok = (free > 0) & (domain_G == domain_G[r]) & (slack >= w - _EPS) & (mem + rep_bytes + rb <= budget)
+                ok[list(hosts[e])] = False
+                if not ok.any():
+                    break
+                t = int(np.argmax(np.where(ok, slack, -1.0)))
+                want = max(math.ceil(need / w - _EPS), math.ceil((mem[r] - budget) / rb) if mem[r] > budget else 0)
+                x = min(want, math.floor(slack[t] / w + _EPS), int(d_E[e] - moved[e]))
+                if math.isfinite(budget):
+                    x = min(x, math.floor((budget - mem[t] - rep_bytes) / rb))
+                if x < min_rows:
+                    break
+                replicas.append((int(e), t, x))
+                slack[t] -= x * w
+                need -= x * w
+                free[t] -= 1
+                mem[t] += rep_bytes + x * rb
+                mem[r] -= x * rb
+                moved[e] += x
+                hosts[e].add(t)
+            if need <= _EPS and mem[r] <= budget:
+                break
+        return need
+
+    order = np.argsort(-cost_G, kind="stable")
+    for r in order:
+        if excess[r] > _EPS and shed(r, excess[r]) > _EPS:
+            return None
+    for r in order:
+        if mem[r] > budget:
+            shed(r, 0.0)
+    return replicas
+
+
+def _plan_with_quota(d_GE, q_E, cluster: Cluster, dims: ModelDims, budget, *, free_G, owner_E, backward_weight,
+                     min_rows, info):
+    G, E = d_GE.shape
+    d_E = d_GE.sum(0)
+    frac_E = np.divide(q_E, d_E, out=np.zeros(E), where=d_E > 0)
+    w_E = np.where(d_E > 0, 1.0 + backward_weight * frac_E, 0.0)
+    L_E = d_E + backward_weight * q_E
+    row = token_row_bytes(dims)
+    row_bytes_E = row["saved"] + frac_E * row["backward"]  # expert-side bytes per forward row
+    base_G = np.bincount(owner_E, minlength=G) * instance_bytes(dims, replica=False)
+    mem_G = (base_G + row["dispatch"] * (d_GE.sum(1) + d_GE @ frac_E)
+             + np.bincount(owner_E, weights=d_E * row_bytes_E, minlength=G))
+    cost_G = np.bincount(owner_E, weights=L_E, minlength=G)
+    args = (cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, cluster.domain_G,
+            instance_bytes(dims, replica=True), budget, min_rows)
+    lo, hi = math.floor(cost_G.sum() / G), math.ceil(cost_G.max(initial=0.0))
+    while lo < hi:  # smallest integer threshold the greedy meets (hi always: no replica needed)
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if _greedy(mid, *args) is not None else (mid + 1, hi)
+    replicas = _greedy(hi, *args)
+
+    hosts_E = [[] for _ in range(E)]
+    rows_E = [[int(d)] for d in d_E]
+    for e, t, x in replicas:
+        hosts_E[e].append(t)
+        rows_E[e].append(x)
+        rows_E[e][0] -= x
+    instances, cols_E = replica_instances(cluster, dims, hosts_E, "lrmoe")
+    rank_N = np.array([i.rank for i in instances])
+    send = np.zeros((G, len(instances)), dtype=np.int64)
+    quota = np.zeros_like(send)
+    for e, cols in enumerate(cols_E):
+        send[:, cols] = locality_split(d_GE[:, e], rank_N[cols], rows_E[e])
+        for n, b in zip(cols, largest_remainder(int(q_E[e]), rows_E[e])):
+            quota[:, n] = largest_remainder(int(b), send[:, n])
+    info = {**info, "threshold": hi, "quota_E": q_E, "n_keep": int(q_E.sum()), "backward_weight": backward_weight,
+            "drop_ratio_effective": 1.0 - int(q_E.sum()) / max(int(d_E.sum()), 1)}
+    return make_plan("lrmoe", d_GE, cluster, dims, budget, instances, send, quota, info=info)
+
+
+@register_placement("lrmoe")
+def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio: float = 0.0,
+               quota_policy: str = "waterfill", quota_options: dict | None = None, replica_slots: int | None = None,
+               backward_weight: float = 2.0, min_rows: int = 1, max_drop_ratio: float = 0.9,
+               fallback: str = "split", max_split: int = 256):
+    """LRMoE joint planner (module docstring).
+
+    drop_ratio: requested backward drop ratio rho (kept pairs = round((1 - rho) P)).
+    quota_policy / quota_options: a registered ``lrmoe.quota`` policy and its keyword options.
+    replica_slots: replica slots per rank (default and maximum S - E/G).
+    backward_weight: cost of a kept backward row in forward rows (2.0).
+    min_rows: smallest replica worth its weight transfer, in rows (1).
+    max_drop_ratio: how far quotas may shrink under memory pressure (0.9).
+    fallback when even max_drop_ratio does not fit: ``split`` (default) or ``oom``."""
+    check_drop_ratio(drop_ratio)
+    check_drop_ratio(max_drop_ratio)
+    if max_drop_ratio < drop_ratio:
+        raise ValueError(f"max_drop_ratio ({max_drop_ratio}) must be >= drop_ratio ({drop_ratio})")
+    if fallback not in ("split", "oom"):
+        raise ValueError(f"lrmoe fallback must be 'split' or 'oom' (quotas shrink first), got {fallback!r}")
+    if not isinstance(backward_weight, (int, float)) or backward_weight < 0:
+        raise ValueError(f"backward_weight must be a number >= 0, got {backward_weight!r}")
+    if isinstance(min_rows, bool) or not isinstance(min_rows, (int, np.integer)) or min_rows < 1:
+        raise ValueError(f"min_rows must be an integer >= 1, got {min_rows!r}")
+    epr = owned_layout(cluster, dims, "lrmoe")
+    R_max = cluster.slots_per_rank - epr
+    R = R_max if replica_slots is None else replica_slots
+    if isinstance(R, bool) or not isinstance(R, (int, np.integer)) or not 0 <= R <= R_max:
+        raise ValueError(f"replica_slots must be an integer in [0, S - E/G = {R_max}], got {R!r}")
+    quota_options = dict(quota_options or {})
+    compute_quota(np.zeros(dims.num_experts, dtype=np.int64), drop_ratio, quota_policy, **quota_options)  # validates
+    kw = dict(free_G=np.full(cluster.num_ranks, R, dtype=np.int64), owner_E=np.arange(dims.num_experts) // epr,
+              backward_weight=float(backward_weight), min_rows=int(min_rows),
+              info={"drop_ratio": drop_ratio, "quota_policy": quota_policy})
+
+    def plan_keep(d_GE, n_keep):
+        q_E = _quota(d_GE.sum(0), n_keep, quota_policy, quota_options)
+        return _plan_with_quota(d_GE, q_E, cluster, dims, budget_bytes, **kw)
+
+    def build(d_GE, row_cap):
+        P = int(d_GE.sum())
+        hi_keep = retained_total(P, drop_ratio)
+        plan = plan_keep(d_GE, hi_keep)
+        if plan.fits:
+            return plan
+        lo_keep = retained_total(P, max_drop_ratio)
+        best = plan_keep(d_GE, lo_keep)
+        if not best.fits:
+            return plan  # quotas alone cannot make it fit: resolve_budget splits or reports oom
+        while hi_keep - lo_keep > 1:  # lo_keep fits, hi_keep does not
+            mid = (lo_keep + hi_keep) // 2
+            p = plan_keep(d_GE, mid)
+            lo_keep, hi_keep, best = (mid, hi_keep, p) if p.fits else (lo_keep, mid, best)
+        return dataclasses.replace(best, over_budget=True, fallback="shrink_quota")
+
+    return resolve_budget(build, demand_GE, budget_bytes, fallback, max_split)

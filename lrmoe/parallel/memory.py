@@ -1,0 +1,117 @@
+"""Per-rank GPU memory of one MoE layer under a placement plan (numpy only, bytes everywhere).
+
+Notation: H hidden size, I expert intermediate size, b = ``dims.dtype_bytes`` (weights and
+activations), b_g = ``dims.grad_bytes``, b_o = ``dims.optimizer_bytes_per_param``.
+Every expert is a SwiGLU MLP (``gate_up_proj`` [2I, H] + ``down_proj`` [H, I]):
+
+    params per expert        p = 3 * H * I
+
+Three components per rank r, as in the paper's memory table (T4):
+
+1. **base expert placement** (owned instances, ``is_replica == False``)
+       base_r = n_owned_r * p * (b + b_g + b_o * optimizer_on_gpu)
+   Optimizer state counts only where it lives on the GPU (Megatron, UltraEP, LRMoE owners);
+   SYMI keeps it in host memory (``optimizer_on_gpu=False``).
+2. **additional replicas** (``is_replica == True``): weights and gradients, never optimizer state
+       replicas_r = n_replica_r * p * (b + b_g)
+3. **token buffers**, sized by the rank's actual rows under the plan
+   (send[s, i] pairs source s routes to instance i, quota[s, i] of them kept in backward):
+       sent_r      = sum_i send[r, i]            kept_sent_r = sum_i quota[r, i]
+       recv_r      = sum_{i on r} sum_s send[s, i]
+       kept_recv_r = sum_{i on r} sum_s quota[s, i]
+   * dispatch/combine (token side: all-to-all send + receive buffers, forward and backward;
+     the local chunk is part of the buffer, as with ``all_to_all_single``)
+       dispatch_r = b * H * (2 * sent_r + 2 * kept_sent_r)
+   * saved activations (expert side, per routed row, as saved by ``lrmoe.experts``:
+     gathered input X (H), gate/up pre-activation GU (2I), output O (H))
+       saved_r = b * (2H + 2I) * recv_r
+   * backward execution buffers (expert side, per retained row: alpha*g (H), X (H), GU (2I),
+     h (I), dh (I), dGU (2I), dX (H); equals ``lrmoe.experts.buffer_bytes``)
+       backward_r = b * (3H + 6I) * kept_recv_r
+
+    total_r = base_r + replicas_r + dispatch_r + saved_r + backward_r
+
+The model is per layer: ``budget_bytes`` given to a planner is the share of the GPU this MoE
+layer may use (the caller subtracts the rest of the model). Router, shared expert and attention
+activations are not part of it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Per-rank memory of a plan in bytes; every field is an int64 array of shape [G]."""
+
+    base_G: np.ndarray
+    replicas_G: np.ndarray
+    dispatch_G: np.ndarray
+    saved_G: np.ndarray
+    backward_G: np.ndarray
+
+    @property
+    def tokens_G(self) -> np.ndarray:
+        """Token buffers: dispatch/combine + saved activations + backward execution buffers."""
+        return self.dispatch_G + self.saved_G + self.backward_G
+
+    @property
+    def total_G(self) -> np.ndarray:
+        return self.base_G + self.replicas_G + self.tokens_G
+
+    @property
+    def peak(self) -> int:
+        """The largest per-rank total (what must fit the per-GPU budget)."""
+        return int(self.total_G.max(initial=0))
+
+    def summary(self) -> dict[str, int]:
+        """Max over ranks of each component, and the peak total (not the sum of the maxima)."""
+        return {"base": int(self.base_G.max(initial=0)), "replicas": int(self.replicas_G.max(initial=0)),
+                "tokens": int(self.tokens_G.max(initial=0)), "total": self.peak}
+
+
+def expert_params(dims) -> int:
+    """p = 3 * H * I parameters of one SwiGLU expert."""
+    return 3 * dims.hidden * dims.intermediate
+
+
+def instance_bytes(dims, *, replica: bool, optimizer_on_gpu: bool = True) -> int:
+    """Static bytes of one expert instance: weights + gradients (+ optimizer state for owners on GPU)."""
+    per_param = dims.dtype_bytes + dims.grad_bytes
+    if not replica and optimizer_on_gpu:
+        per_param += dims.optimizer_bytes_per_param
+    return expert_params(dims) * per_param
+
+
+def token_row_bytes(dims) -> dict[str, int]:
+    """Bytes per row of each token-buffer term (see the module docstring)."""
+    H, I, b = dims.hidden, dims.intermediate, dims.dtype_bytes
+    return {"dispatch": 2 * H * b,  # per sent or kept-sent row
+            "saved": (2 * H + 2 * I) * b,  # per received row
+            "backward": (3 * H + 6 * I) * b}  # per retained received row
+
+
+def plan_memory(dims, num_ranks: int, rank_N, is_replica_N, send_GN, quota_GN, *,
+                optimizer_on_gpu: bool = True) -> MemoryBreakdown:
+    """Memory of every rank for instances on ``rank_N`` with the given send and backward quotas."""
+    rank_N = np.asarray(rank_N, dtype=np.int64)
+    rep_N = np.asarray(is_replica_N, dtype=bool)
+    send_GN = np.asarray(send_GN, dtype=np.int64)
+    quota_GN = np.asarray(quota_GN, dtype=np.int64)
+    G = num_ranks
+    n_owned_G = np.bincount(rank_N[~rep_N], minlength=G)
+    n_rep_G = np.bincount(rank_N[rep_N], minlength=G)
+    recv_G = np.bincount(rank_N, weights=send_GN.sum(0), minlength=G).astype(np.int64)
+    kept_recv_G = np.bincount(rank_N, weights=quota_GN.sum(0), minlength=G).astype(np.int64)
+    row = token_row_bytes(dims)
+    return MemoryBreakdown(
+        base_G=n_owned_G * instance_bytes(dims, replica=False, optimizer_on_gpu=optimizer_on_gpu),
+        replicas_G=n_rep_G * instance_bytes(dims, replica=True),
+        dispatch_G=row["dispatch"] * (send_GN.sum(1) + quota_GN.sum(1)),
+        saved_G=row["saved"] * recv_G,
+        backward_G=row["backward"] * kept_recv_G,
+    )

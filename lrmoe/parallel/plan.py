@@ -1,0 +1,473 @@
+"""Placement planners: one interface for LRMoE and every baseline (pure functions, numpy only).
+
+A planner maps this step's per-rank per-expert routed demand to a :class:`Plan`::
+
+    plan = plan_placement(name, demand_GE, cluster, dims, budget_bytes, state=prev.state, **options)
+
+* ``demand_GE[r, e]``: routed (token, expert) pairs of expert e that originate on rank r.
+* ``cluster``: G ranks, S expert slots per rank, fast-interconnect domains (:class:`Cluster`).
+* ``dims``: model dimensions and byte sizes (:class:`ModelDims`).
+* ``budget_bytes``: what this MoE layer may use per GPU (see :mod:`lrmoe.parallel.memory`).
+* ``state``: planners are pure; a stateful one (SYMI, which plans from the *previous* step's
+  popularity) returns the state for the next call in ``plan.state``. Pass ``state=None`` on
+  the first step. Stateless planners return ``state=None``.
+
+A plan lists expert instances (owner or replica, by rank and slot), how many pairs each
+source rank sends to each instance, how many of them each (source, instance) keeps in backward,
+the forward drops, and the per-rank memory the plan needs. When the policy's first-choice plan
+does not fit the budget the plan says so (``over_budget``) and carries what the policy did
+(``fallback``): ``none``, ``split_microbatch:N`` (the plan is for the largest of N pieces),
+``drop_over_capacity`` (a per-instance row cap), ``shrink_quota`` (LRMoE keeps fewer pairs in
+backward) or ``oom`` (nothing fits: the real system fails).
+
+Policies register themselves with :func:`register_placement`; the built-in ones live in
+``baselines/`` (fixed, symi, ultraep, ultraep_greedy) and :mod:`lrmoe.parallel.lrmoe_plan`
+(lrmoe), and are imported on first use. This module also holds the small routing helpers the
+planners share (largest-remainder splits, capacity caps, the budget fallbacks).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from .memory import MemoryBreakdown, plan_memory
+
+__all__ = ["Cluster", "ModelDims", "Instance", "Plan", "MemoryBreakdown", "register_placement",
+           "get_placement", "placement_policies", "plan_placement"]
+
+
+# ----------------------------------------------------------------------------- descriptions
+@dataclass(frozen=True)
+class Cluster:
+    """G expert-parallel ranks with S expert weight slots each.
+
+    ``slots_per_rank`` counts every expert instance a rank can hold (owned experts included):
+    owner-based policies use E/G of them for owned experts and the rest for replicas; SYMI fills
+    all G*S slots. ``fast_domains`` partitions the ranks into groups that share a fast
+    interconnect (e.g. NVLink islands); None means one domain of all ranks."""
+
+    num_ranks: int
+    slots_per_rank: int
+    fast_domains: tuple[tuple[int, ...], ...] | None = None
+
+    def __post_init__(self):
+        for name in ("num_ranks", "slots_per_rank"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"Cluster.{name} must be an integer >= 1, got {v!r}")
+        G = int(self.num_ranks)
+        domains = self.fast_domains if self.fast_domains is not None else (tuple(range(G)),)
+        domains = tuple(tuple(int(r) for r in dom) for dom in domains)
+        if sorted(r for dom in domains for r in dom) != list(range(G)) or any(not dom for dom in domains):
+            raise ValueError(f"Cluster.fast_domains must partition ranks 0..{G - 1} into non-empty groups, "
+                             f"got {self.fast_domains!r}")
+        object.__setattr__(self, "fast_domains", domains)
+
+    @property
+    def domain_G(self) -> np.ndarray:
+        """Fast-domain id of every rank."""
+        dom = np.empty(self.num_ranks, dtype=np.int64)
+        for i, ranks in enumerate(self.fast_domains):
+            dom[list(ranks)] = i
+        return dom
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """What the planners need of the model: one MoE layer of E SwiGLU experts.
+
+    dtype_bytes: weights and activations (2 for bf16). grad_bytes: expert gradients (4: fp32
+    main grads as Megatron-LM keeps them). optimizer_bytes_per_param: optimizer state per
+    parameter where it lives on the GPU (12: AdamW fp32 master + m + v; divide by the
+    distributed-optimizer shard count yourself; 0 excludes it, as the paper's memory table
+    appears to)."""
+
+    hidden: int
+    intermediate: int
+    num_experts: int
+    top_k: int = 1
+    dtype_bytes: int = 2
+    grad_bytes: int = 4
+    optimizer_bytes_per_param: int = 12
+
+    def __post_init__(self):
+        for name in ("hidden", "intermediate", "num_experts", "top_k", "dtype_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"ModelDims.{name} must be an integer >= 1, got {v!r}")
+        for name in ("grad_bytes", "optimizer_bytes_per_param"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+                raise ValueError(f"ModelDims.{name} must be an integer >= 0, got {v!r}")
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One copy of an expert's weights in slot ``slot`` of rank ``rank``."""
+
+    expert: int
+    rank: int
+    slot: int
+    is_replica: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a placement policy decided for one step of one MoE layer (N = len(instances)).
+
+    demand_GE: the demand this plan serves (a piece of the input demand when the microbatch was
+        split, see ``num_splits``).
+    send_GN[s, i]: pairs source rank s sends to instance i (forward; every one computed).
+    backward_quota_GN[s, i] <= send_GN[s, i]: of those, how many are kept in backward.
+    dropped_GE[s, e]: pairs of expert e from source s dropped in forward (over capacity);
+        ``sum_{i of e} send_GN[s, i] + dropped_GE[s, e] == demand_GE[s, e]`` always.
+    memory: per-rank memory (:class:`MemoryBreakdown`). over_budget: the policy's first-choice
+    plan did not fit ``budget_bytes``; fallback: what the policy then did (module docstring).
+    info: policy-specific facts (threshold, slot counts, capacity, quotas...). state: pass it as
+    ``state=`` to the next call (stateful policies only)."""
+
+    policy: str
+    demand_GE: np.ndarray
+    instances: tuple[Instance, ...]
+    send_GN: np.ndarray
+    backward_quota_GN: np.ndarray
+    dropped_GE: np.ndarray
+    memory: MemoryBreakdown
+    budget_bytes: float
+    over_budget: bool = False
+    fallback: str = "none"
+    num_splits: int = 1
+    info: dict = field(default_factory=dict)
+    state: Any = None
+
+    # The issue's names for the three count matrices.
+    send = property(lambda self: self.send_GN)
+    backward_quota = property(lambda self: self.backward_quota_GN)
+    dropped = property(lambda self: self.dropped_GE)
+
+    @property
+    def expert_N(self) -> np.ndarray:
+        return np.array([i.expert for i in self.instances], dtype=np.int64)
+
+    @property
+    def rank_N(self) -> np.ndarray:
+        return np.array([i.rank for i in self.instances], dtype=np.int64)
+
+    @property
+    def is_replica_N(self) -> np.ndarray:
+        return np.array([i.is_replica for i in self.instances], dtype=bool)
+
+    @property
+    def rows_N(self) -> np.ndarray:
+        """Forward rows each instance computes."""
+        return self.send_GN.sum(0)
+
+    @property
+    def kept_N(self) -> np.ndarray:
+        """Backward rows each instance computes."""
+        return self.backward_quota_GN.sum(0)
+
+    def per_rank(self, values_N) -> np.ndarray:
+        return np.bincount(self.rank_N, weights=values_N, minlength=len(self.memory.base_G)).astype(np.int64)
+
+    @property
+    def rows_G(self) -> np.ndarray:
+        return self.per_rank(self.rows_N)
+
+    @property
+    def kept_G(self) -> np.ndarray:
+        return self.per_rank(self.kept_N)
+
+    @property
+    def kept_E(self) -> np.ndarray:
+        return np.bincount(self.expert_N, weights=self.kept_N, minlength=self.demand_GE.shape[1]).astype(np.int64)
+
+    def cost_G(self, backward_weight: float = 2.0) -> np.ndarray:
+        """Per-rank expert work in forward-row units: rows + backward_weight * kept rows."""
+        return self.rows_G + backward_weight * self.kept_G
+
+    @property
+    def num_replicas_G(self) -> np.ndarray:
+        return np.bincount(self.rank_N[self.is_replica_N], minlength=len(self.memory.base_G))
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.peak <= self.budget_bytes
+
+    def check(self) -> "Plan":
+        """Raise ValueError unless the plan is internally consistent; return self."""
+        G, E = self.demand_GE.shape
+        N = len(self.instances)
+        if self.send_GN.shape != (G, N) or self.backward_quota_GN.shape != (G, N) or self.dropped_GE.shape != (G, E):
+            raise ValueError(f"plan {self.policy}: count matrices have the wrong shapes")
+        slots = {(i.rank, i.slot) for i in self.instances}
+        if len(slots) != N or any(not (0 <= i.expert < E and 0 <= i.rank < G and i.slot >= 0) for i in self.instances):
+            raise ValueError(f"plan {self.policy}: instances must have valid experts, ranks and distinct slots")
+        ex = self.expert_N
+        owners_E = np.bincount(ex[~self.is_replica_N], minlength=E)
+        if np.bincount(ex, minlength=E).min(initial=1) < 1 or owners_E.max(initial=0) > 1:
+            raise ValueError(f"plan {self.policy}: every expert needs an instance and at most one owner")
+        if (self.send_GN < 0).any() or (self.dropped_GE < 0).any():
+            raise ValueError(f"plan {self.policy}: negative send or dropped counts")
+        if ((self.backward_quota_GN < 0) | (self.backward_quota_GN > self.send_GN)).any():
+            raise ValueError(f"plan {self.policy}: backward quotas must be in [0, send]")
+        if not np.array_equal(expert_sum(self.send_GN, ex, E) + self.dropped_GE, self.demand_GE):
+            raise ValueError(f"plan {self.policy}: sent + dropped pairs do not equal the demand")
+        return self
+
+
+PlanFn = Callable[..., Plan]
+_PLANNERS: dict[str, PlanFn] = {}
+# Imported on first use (they import this module). The baseline submodules are named one by one so
+# that registration also works where ``baselines`` resolves as a namespace package (an editable
+# install made before baselines/__init__.py existed).
+_BUILTIN_MODULES = ("baselines.megatron", "baselines.symi", "baselines.ultraep", "lrmoe.parallel.lrmoe_plan")
+
+
+# ----------------------------------------------------------------------------- registry
+def register_placement(name: str, fn: PlanFn | None = None):
+    """Register ``fn(demand_GE, cluster, dims, budget_bytes, *, state=None, **options) -> Plan``;
+    usable as a decorator."""
+
+    def _register(f: PlanFn) -> PlanFn:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"placement policy name must be a non-empty string, got {name!r}")
+        _PLANNERS[name] = f
+        return f
+
+    return _register(fn) if fn is not None else _register
+
+
+def _load_builtin() -> None:
+    for module in _BUILTIN_MODULES:
+        importlib.import_module(module)
+
+
+def placement_policies() -> list[str]:
+    """Names of the registered placement policies (built-in ones included)."""
+    _load_builtin()
+    return sorted(_PLANNERS)
+
+
+def get_placement(name: str) -> PlanFn:
+    if name not in _PLANNERS:
+        _load_builtin()
+    try:
+        return _PLANNERS[name]
+    except KeyError:
+        raise ValueError(f"unknown placement policy {name!r}; registered: {sorted(_PLANNERS)}") from None
+
+
+def check_inputs(demand_GE, cluster: Cluster, dims: ModelDims, budget_bytes) -> np.ndarray:
+    """Validate the planner inputs; return the demand as an int64 array."""
+    if not isinstance(cluster, Cluster) or not isinstance(dims, ModelDims):
+        raise ValueError(f"cluster must be a Cluster and dims a ModelDims, got {type(cluster).__name__} "
+                         f"and {type(dims).__name__}")
+    G, E = cluster.num_ranks, dims.num_experts
+    d = np.asarray(demand_GE)
+    if d.shape != (G, E):
+        raise ValueError(f"demand_GE must have shape [G={G}, E={E}] (ranks x experts), got {d.shape}")
+    if d.dtype == bool or not (np.issubdtype(d.dtype, np.integer) or np.issubdtype(d.dtype, np.floating)):
+        raise ValueError(f"demand_GE must hold integer counts, got dtype {d.dtype}")
+    if np.issubdtype(d.dtype, np.floating) and not (np.isfinite(d).all() and (d == np.round(d)).all()):
+        raise ValueError("demand_GE must hold whole-number counts")
+    if (d < 0).any():
+        raise ValueError(f"demand_GE counts must be >= 0, got minimum {d.min()}")
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float, np.integer, np.floating)) \
+            or math.isnan(budget_bytes) or budget_bytes <= 0:
+        raise ValueError(f"budget_bytes must be a number > 0 (math.inf for no budget), got {budget_bytes!r}")
+    return d.astype(np.int64)
+
+
+def plan_placement(name: str, demand_GE, cluster: Cluster, dims: ModelDims, budget_bytes: float, *,
+                   state: Any = None, **options) -> Plan:
+    """Plan one step of one MoE layer with the registered policy ``name`` (see module docstring)."""
+    fn = get_placement(name)
+    demand_GE = check_inputs(demand_GE, cluster, dims, budget_bytes)
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        accepted = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY and n != "state"]
+        unknown = sorted(set(options) - set(accepted))
+        if unknown:
+            raise ValueError(f"placement policy {name!r} got unknown options {unknown}; accepted: {accepted}")
+    return fn(demand_GE, cluster, dims, budget_bytes, state=state, **options)
+
+
+# ----------------------------------------------------------------------------- shared helpers
+def expert_sum(x_GN: np.ndarray, expert_N: np.ndarray, num_experts: int) -> np.ndarray:
+    """Sum the instance columns of x_GN per expert -> [G, E]."""
+    out = np.zeros((x_GN.shape[0], num_experts), dtype=np.int64)
+    np.add.at(out.T, expert_N, x_GN.T)
+    return out
+
+
+def largest_remainder(total: int, weights) -> np.ndarray:
+    """Split ``total`` into integers proportional to ``weights``; remainders to the largest
+    fractional parts (ties: lower index). Each part is <= its weight when total <= sum(weights)."""
+    w = np.asarray(weights, dtype=np.int64)
+    W = int(w.sum())
+    if total == 0:
+        return np.zeros_like(w)
+    if W <= 0:
+        raise ValueError(f"cannot split {total} over zero weights")
+    base, rem = np.divmod(w * int(total), W)
+    missing = int(total) - int(base.sum())
+    base[np.argsort(-rem, kind="stable")[:missing]] += 1
+    return base
+
+
+def prefix_split(d_G, quota_N) -> np.ndarray:
+    """Ordinal routing: pairs of one expert are numbered source-major; instance n takes the
+    ordinals in the n-th interval of the quota prefix sums. Returns send [G, N]."""
+    d_G = np.asarray(d_G, dtype=np.int64)
+    quota_N = np.asarray(quota_N, dtype=np.int64)
+    s_end = np.cumsum(d_G)
+    n_end = np.cumsum(quota_N)
+    lo = np.maximum((s_end - d_G)[:, None], (n_end - quota_N)[None, :])
+    return np.clip(np.minimum(s_end[:, None], n_end[None, :]) - lo, 0, None)
+
+
+def locality_split(d_G, rank_N, quota_N, rest: int = 0) -> np.ndarray:
+    """Per-source split of one expert's pairs over its instances (UltraEP's rule).
+
+    Every instance except ``rest`` is filled first by pairs already on its host rank, then the
+    rest of its quota is shared among the source ranks' remaining pairs by largest-remainder
+    proportional rounding; instance ``rest`` (the owner) takes what is left. Returns send [G, N]."""
+    rem = np.array(d_G, dtype=np.int64)
+    quota_N = np.asarray(quota_N, dtype=np.int64)
+    if int(quota_N.sum()) != int(rem.sum()):
+        raise ValueError(f"instance quotas sum to {int(quota_N.sum())}, demand to {int(rem.sum())}")
+    send = np.zeros((rem.size, quota_N.size), dtype=np.int64)
+    others = [n for n in range(quota_N.size) if n != rest]
+    for n in others:
+        r = rank_N[n]
+        send[r, n] = take = min(int(quota_N[n]), int(rem[r]))
+        rem[r] -= take
+    for n in others:
+        need = int(quota_N[n]) - int(send[:, n].sum())
+        if need:
+            alloc = largest_remainder(need, rem)
+            send[:, n] += alloc
+            rem -= alloc
+    send[:, rest] = rem
+    return send
+
+
+def cap_rows(send_GN: np.ndarray, cap) -> np.ndarray:
+    """Drop over capacity: each instance keeps at most ``cap`` rows (scalar or [N]), trimmed
+    proportionally over its sources (largest remainder)."""
+    send = send_GN.copy()
+    cap_N = np.broadcast_to(np.asarray(cap, dtype=np.int64), (send.shape[1],))
+    for n in np.flatnonzero(send.sum(0) > cap_N):
+        send[:, n] = largest_remainder(int(cap_N[n]), send[:, n])
+    return send
+
+
+def owned_layout(cluster: Cluster, dims: ModelDims, policy: str) -> int:
+    """Experts per rank for owner-based policies (expert e owned by rank e // (E/G), slot e % (E/G))."""
+    G, E, S = cluster.num_ranks, dims.num_experts, cluster.slots_per_rank
+    if E % G:
+        raise ValueError(f"{policy}: num_experts ({E}) must be divisible by num_ranks ({G}) for fixed ownership")
+    if E // G > S:
+        raise ValueError(f"{policy}: slots_per_rank ({S}) must be >= experts per rank E/G = {E // G}")
+    return E // G
+
+
+def owner_instances(cluster: Cluster, dims: ModelDims, policy: str) -> list[Instance]:
+    epr = owned_layout(cluster, dims, policy)
+    return [Instance(e, e // epr, e % epr, False) for e in range(dims.num_experts)]
+
+
+def replica_instances(cluster: Cluster, dims: ModelDims, hosts_E,
+                      policy: str) -> tuple[list[Instance], list[list[int]]]:
+    """Owner instances (index e) followed by replicas of expert e on the ranks ``hosts_E[e]``,
+    in the slots after the owned ones. Returns the instances and each expert's instance columns
+    (owner first)."""
+    instances = owner_instances(cluster, dims, policy)
+    used = np.full(cluster.num_ranks, len(instances) // cluster.num_ranks)
+    cols_E = [[e] for e in range(dims.num_experts)]
+    for e, hosts in enumerate(hosts_E):
+        for t in hosts:
+            if used[t] >= cluster.slots_per_rank:
+                raise ValueError(f"{policy}: rank {t} has no free slot for a replica of expert {e}")
+            cols_E[e].append(len(instances))
+            instances.append(Instance(e, int(t), int(used[t]), True))
+            used[t] += 1
+    return instances, cols_E
+
+
+def make_plan(policy: str, demand_GE, cluster: Cluster, dims: ModelDims, budget_bytes: float, instances,
+              send_GN, backward_quota_GN=None, *, optimizer_on_gpu: bool = True, info: dict | None = None,
+              state: Any = None) -> Plan:
+    """Assemble and check a plan: drops and memory are derived from the counts.
+    ``backward_quota_GN`` defaults to ``send_GN`` (keep every pair)."""
+    instances = tuple(instances)
+    send_GN = np.asarray(send_GN, dtype=np.int64)
+    quota_GN = send_GN if backward_quota_GN is None else np.asarray(backward_quota_GN, dtype=np.int64)
+    ex = np.array([i.expert for i in instances], dtype=np.int64)
+    mem = plan_memory(dims, cluster.num_ranks, [i.rank for i in instances], [i.is_replica for i in instances],
+                      send_GN, quota_GN, optimizer_on_gpu=optimizer_on_gpu)
+    plan = Plan(policy, demand_GE, instances, send_GN, quota_GN, demand_GE - expert_sum(send_GN, ex, dims.num_experts),
+                mem, budget_bytes, over_budget=mem.peak > budget_bytes, info=dict(info or {}), state=state)
+    return plan.check()
+
+
+def split_piece(demand_GE: np.ndarray, n: int) -> np.ndarray:
+    """The largest of n microbatch pieces: every count split as evenly as possible (ceil)."""
+    return -(-demand_GE // n)
+
+
+FALLBACKS = ("split", "drop", "oom")
+
+
+def resolve_budget(build: Callable[[np.ndarray, int | None], Plan], demand_GE: np.ndarray, budget_bytes: float,
+                   fallback: str = "split", max_split: int = 256) -> Plan:
+    """Apply a policy's fallback when its plan does not fit the budget.
+
+    ``build(demand_GE, row_cap)`` plans a demand with an optional per-instance row cap.
+    split: the smallest number N <= max_split of microbatch pieces whose largest piece fits
+        (doubling, then bisection; memory is assumed not to grow as N grows);
+    drop: the largest per-instance row cap that fits (bisection);
+    oom: report the over-budget plan. Any fallback that cannot fit ends as ``oom``."""
+    if fallback not in FALLBACKS:
+        raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+    if isinstance(max_split, bool) or not isinstance(max_split, int) or max_split < 1:
+        raise ValueError(f"max_split must be an integer >= 1, got {max_split!r}")
+    plan = build(demand_GE, None)
+    if plan.fits:
+        return plan
+    oom = dataclasses.replace(plan, over_budget=True, fallback="oom")
+    if fallback == "drop":
+        best = build(demand_GE, 0)
+        if not best.fits:
+            return oom
+        lo, hi = 0, int(plan.rows_N.max())  # cap lo fits, cap hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            p = build(demand_GE, mid)
+            lo, hi, best = (mid, hi, p) if p.fits else (lo, mid, best)
+        return dataclasses.replace(best, over_budget=True, fallback="drop_over_capacity",
+                                   info={**best.info, "row_cap": lo})
+    if fallback == "split":
+        lo, hi, best = 1, None, None  # lo pieces do not fit, hi pieces do
+        while best is None and lo < max_split:
+            n = min(2 * lo, max_split)
+            p = build(split_piece(demand_GE, n), None)
+            if p.fits:
+                hi, best = n, p
+            else:
+                lo = n
+        if best is None:
+            return oom
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            p = build(split_piece(demand_GE, mid), None)
+            lo, hi, best = (lo, mid, p) if p.fits else (mid, hi, best)
+        return dataclasses.replace(best, over_budget=True, fallback=f"split_microbatch:{hi}", num_splits=hi)
+    return oom

@@ -1,0 +1,383 @@
+"""Placement planners: shared invariants, each policy's defining property, budgets and fallbacks."""
+import math
+
+import numpy as np
+import pytest
+
+from baselines.megatron import megatron_capacity
+from baselines.symi import SymiState, symi_slot_counts
+from baselines.ultraep import ultraep_feasible, ultraep_threshold
+from lrmoe.parallel import Cluster, ModelDims, placement_policies, plan_placement, register_placement
+from lrmoe.parallel import plan as plan_mod
+from lrmoe.parallel.memory import instance_bytes
+from lrmoe.quota import compute_quota, retained_total
+
+DIMS = ModelDims(hidden=64, intermediate=32, num_experts=8, top_k=2)
+CLUSTER = Cluster(num_ranks=4, slots_per_rank=4)  # 2 owned + 2 replica slots per rank
+OPTIONS = {"fixed": {}, "symi": {}, "ultraep": {"min_tokens": 4}, "ultraep_greedy": {}, "lrmoe": {"drop_ratio": 0.2}}
+DROPLESS = {"fixed", "ultraep", "ultraep_greedy", "lrmoe"}
+KINDS = ("random", "skewed", "zero_rank", "empty_experts")
+SEEDS = (0, 1, 2, 3)
+
+
+def make_demand(kind, seed, G=4, E=8):
+    rng = np.random.default_rng(seed)
+    d = rng.integers(0, 60, (G, E))
+    if kind == "skewed":  # one expert carries half of all pairs
+        hot = int(rng.integers(E))
+        d[:, hot] = 0
+        d[:, hot] = np.diff(np.r_[0, np.sort(rng.integers(0, d.sum() + 1, G - 1)), d.sum()])
+    elif kind == "zero_rank":
+        d[int(rng.integers(G))] = 0
+    elif kind == "empty_experts":
+        d[:, rng.permutation(E)[: E // 2]] = 0
+    return d
+
+
+def plan(name, d, budget=math.inf, cluster=CLUSTER, dims=DIMS, **kw):
+    return plan_placement(name, d, cluster, dims, budget, **{**OPTIONS[name], **kw})
+
+
+def expected_memory(p, dims=DIMS, optimizer_on_gpu=True):
+    """Plain-loop oracle of the memory model (docs/placement.md)."""
+    H, I, b = dims.hidden, dims.intermediate, dims.dtype_bytes
+    P = 3 * H * I
+    G = p.demand_GE.shape[0]
+    out = np.zeros(G, dtype=np.int64)
+    for n, inst in enumerate(p.instances):
+        per_param = b + dims.grad_bytes
+        if optimizer_on_gpu and not inst.is_replica:
+            per_param += dims.optimizer_bytes_per_param
+        out[inst.rank] += P * per_param
+        out[inst.rank] += p.send_GN[:, n].sum() * (2 * H + 2 * I) * b
+        out[inst.rank] += p.backward_quota_GN[:, n].sum() * (3 * H + 6 * I) * b
+    out += 2 * H * b * (p.send_GN.sum(1) + p.backward_quota_GN.sum(1))
+    return out
+
+
+# ----------------------------------------------------------------------------- interface
+def test_registry_lists_builtins_and_rejects_unknown():
+    assert {"fixed", "symi", "ultraep", "ultraep_greedy", "lrmoe"} <= set(placement_policies())
+    with pytest.raises(ValueError, match="unknown placement policy 'nope'.*fixed"):
+        plan_placement("nope", np.zeros((4, 8)), CLUSTER, DIMS, 1e9)
+
+
+def test_register_custom_policy(monkeypatch):
+    monkeypatch.setattr(plan_mod, "_PLANNERS", dict(plan_mod._PLANNERS))
+    calls = []
+
+    @register_placement("mine")
+    def mine(demand_GE, cluster, dims, budget_bytes, *, state=None, knob=1):
+        calls.append(knob)
+        return plan_placement("fixed", demand_GE, cluster, dims, budget_bytes)
+
+    assert "mine" in placement_policies()
+    plan_placement("mine", np.ones((4, 8), dtype=int), CLUSTER, DIMS, 1e9, knob=3)
+    assert calls == [3]
+    with pytest.raises(ValueError, match=r"unknown options \['other'\]; accepted: \['knob'\]"):
+        plan_placement("mine", np.ones((4, 8), dtype=int), CLUSTER, DIMS, 1e9, other=1)
+
+
+@pytest.mark.parametrize("args, match", [
+    (dict(d=np.ones((4, 7))), r"shape \[G=4, E=8\]"),
+    (dict(d=np.ones(8)), r"shape \[G=4, E=8\]"),
+    (dict(d=-np.ones((4, 8))), ">= 0"),
+    (dict(d=np.full((4, 8), 0.5)), "whole-number"),
+    (dict(d=np.ones((4, 8), dtype=bool)), "integer counts"),
+    (dict(budget=0), "budget_bytes must be a number > 0"),
+    (dict(budget=-5.0), "budget_bytes must be a number > 0"),
+    (dict(budget=float("nan")), "budget_bytes must be a number > 0"),
+    (dict(cluster=Cluster(3, 4)), "divisible"),
+    (dict(cluster=Cluster(4, 4), dims=ModelDims(64, 32, 6)), "divisible"),
+    (dict(cluster=Cluster(4, 1)), "slots_per_rank"),
+    (dict(fallback="retry"), "fallback must be one of"),
+])
+@pytest.mark.parametrize("name", ["fixed", "ultraep", "lrmoe"])
+def test_bad_inputs(name, args, match):
+    dims = args.get("dims", DIMS)
+    cluster = args.get("cluster", CLUSTER)
+    d = args.get("d", np.ones((cluster.num_ranks, dims.num_experts), dtype=int))
+    kw = {"fallback": args["fallback"]} if "fallback" in args else {}
+    if name == "lrmoe" and "fallback" in args:
+        match = "fallback must be 'split' or 'oom'"
+    with pytest.raises(ValueError, match=match):
+        plan(name, d, args.get("budget", 1e9), cluster=cluster, dims=dims, **kw)
+
+
+def test_bad_descriptions_and_options():
+    with pytest.raises(ValueError, match="partition ranks 0..3"):
+        Cluster(4, 2, fast_domains=((0, 1), (1, 2, 3)))
+    with pytest.raises(ValueError, match="num_ranks must be an integer >= 1"):
+        Cluster(0, 2)
+    with pytest.raises(ValueError, match="hidden must be an integer >= 1"):
+        ModelDims(0, 4, 4)
+    d = np.ones((4, 8), dtype=int)
+    with pytest.raises(ValueError, match="SYMI needs at least one slot per expert"):
+        plan("symi", d, cluster=Cluster(4, 1))
+    with pytest.raises(ValueError, match="SymiState"):
+        plan("symi", d, state=[1, 2])
+    with pytest.raises(ValueError, match="capacity_factor"):
+        plan("fixed", d, capacity_factor=0)
+    with pytest.raises(ValueError, match="drop_ratio must be a number in"):
+        plan("lrmoe", d, drop_ratio=1.0)
+    with pytest.raises(ValueError, match="unknown quota policy"):
+        plan("lrmoe", d, quota_policy="nope")
+    with pytest.raises(ValueError, match=r"redundant_slots must be an integer in \[0, S - E/G = 2\]"):
+        plan("ultraep", d, redundant_slots=3)
+    with pytest.raises(ValueError, match="min_tokens"):
+        plan("ultraep", d, min_tokens=0)
+
+
+# ----------------------------------------------------------------------------- shared invariants
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", ["fixed", "symi", "ultraep", "ultraep_greedy", "lrmoe"])
+def test_every_pair_assigned_once_and_memory_reported(name, kind):
+    for seed in SEEDS:
+        d = make_demand(kind, seed)
+        p = plan(name, d)
+        p.check()
+        assert p.fallback == "none" and not p.over_budget and p.fits and p.num_splits == 1
+        ex = p.expert_N
+        for e in range(8):  # every pair is sent to exactly one instance of its expert, or dropped
+            np.testing.assert_array_equal(p.send_GN[:, ex == e].sum(1) + p.dropped_GE[:, e], d[:, e])
+        if name in DROPLESS:
+            assert p.dropped_GE.sum() == 0
+        if name != "lrmoe":
+            np.testing.assert_array_equal(p.backward_quota_GN, p.send_GN)  # baselines keep everything
+        assert (np.bincount(p.rank_N, minlength=4) <= CLUSTER.slots_per_rank).all()
+        np.testing.assert_array_equal(p.memory.total_G, expected_memory(p, optimizer_on_gpu=name != "symi"))
+
+
+def test_memory_terms_by_hand():
+    from lrmoe.experts import buffer_bytes
+
+    dims = ModelDims(hidden=16, intermediate=8, num_experts=2, top_k=1, dtype_bytes=2, grad_bytes=4,
+                     optimizer_bytes_per_param=12)
+    d = np.array([[3, 1], [0, 2]])
+    p = plan_placement("fixed", d, Cluster(2, 1), dims, math.inf)
+    params = 3 * 16 * 8
+    np.testing.assert_array_equal(p.memory.base_G, [params * 18, params * 18])
+    np.testing.assert_array_equal(p.memory.dispatch_G, [2 * 16 * 2 * (4 + 4), 2 * 16 * 2 * (2 + 2)])
+    np.testing.assert_array_equal(p.memory.saved_G, [(32 + 16) * 2 * 3, (32 + 16) * 2 * 3])
+    np.testing.assert_array_equal(p.memory.backward_G, [buffer_bytes(3, 16, 8, 2)] * 2)
+    assert instance_bytes(dims, replica=True) == params * 6
+    assert p.memory.summary()["total"] == p.memory.peak == int(p.memory.total_G.max())
+
+
+# ----------------------------------------------------------------------------- Megatron
+@pytest.mark.parametrize("seed", SEEDS)
+def test_fixed_equals_megatron_mapping(seed):
+    G, E = 4, 8
+    d = make_demand("random", seed)
+    p = plan("fixed", d)
+    layout = [(i.expert, i.rank, i.slot, i.is_replica) for i in p.instances]
+    assert layout == [(e, e // 2, e % 2, False) for e in range(E)]
+    np.testing.assert_array_equal(p.send_GN, d)
+    for cf in (0.5, 1.0, 1.5):
+        p = plan("fixed", d, capacity_factor=cf)
+        cap = [math.ceil(d[r].sum() * cf / E) for r in range(G)]
+        np.testing.assert_array_equal(megatron_capacity(d, cf), cap)
+        np.testing.assert_array_equal(p.dropped_GE, np.maximum(d - np.array(cap)[:, None], 0))
+
+
+# ----------------------------------------------------------------------------- SYMI
+@pytest.mark.parametrize("pop, slots, expected", [
+    ([6, 1, 1, 0], 8, [5, 1, 1, 1]),  # goal [6,1,1,0] -> cnt [6,1,1,1]; only expert 0 can give one back
+    ([1, 1, 1, 1], 6, [2, 2, 1, 1]),  # goal 1.5 each -> [1,1,1,1]; argmin(diff) ties: lower index first
+    ([10, 30, 60], 4, [1, 1, 2]),  # goal [0.4,1.2,2.4] -> floor(max(goal,1)) already sums to 4
+    ([5, 3, 2], 5, [3, 1, 1]),  # goal [2.5,1.5,1] -> [2,1,1]; diff [-.5,-.5,0] -> expert 0
+    ([40, 35, 20, 5], 8, [3, 3, 1, 1]),  # goal [3.2,2.8,1.6,.4] -> [3,2,1,1]; diff[1] = -.8 smallest
+    ([1, 1, 1, 50, 47], 6, [1, 1, 1, 2, 1]),  # goal [.06,.06,.06,3,2.82] -> [1,1,1,3,2]: sum 8 > 6;
+    # among cnt > 1 argmax diff: expert 3 (0 > -.82) -> 2 (diff -1); then expert 4 (-.82 > -1) -> 1
+    ([0, 0, 0], 5, [2, 2, 1]),  # no popularity: uniform
+])
+def test_symi_slot_counts_hand_worked(pop, slots, expected):
+    np.testing.assert_array_equal(symi_slot_counts(pop, slots), expected)
+
+
+def test_symi_plans_from_previous_popularity():
+    d_prev = np.zeros((4, 8), dtype=int)
+    d_prev[:, 2] = 50
+    d_prev[:, [0, 1, 3, 4, 5, 6, 7]] = 1
+    d_now = make_demand("skewed", 7)
+    first = plan("symi", d_prev)
+    assert first.state is not None
+    np.testing.assert_array_equal(first.info["slot_counts_E"], [2] * 8)  # no history: even placement
+    np.testing.assert_array_equal(first.state.popularity_E, d_prev.sum(0))
+    second = plan("symi", d_now, state=first.state)  # placement follows last step, not this one
+    np.testing.assert_array_equal(second.info["slot_counts_E"], symi_slot_counts(d_prev.sum(0), 16))
+    assert second.info["slot_counts_E"][2] == 9
+    experts = [i.expert for i in second.instances]
+    assert experts == sorted(experts)  # contiguous slots: replicas share a rank first
+    assert [(i.rank, i.slot) for i in second.instances] == [(j // 4, j % 4) for j in range(16)]
+    np.testing.assert_array_equal(second.state.popularity_E, d_now.sum(0))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_symi_even_split_and_capacity(seed):
+    d = make_demand("skewed", seed)
+    state = SymiState(make_demand("random", seed + 100).sum(0))
+    free = plan("symi", d, state=state, capacity_factor=None)
+    assert free.dropped_GE.sum() == 0 and free.info["mode"] == "dropless"
+    rows = free.rows_N
+    for e in range(8):
+        r = rows[free.expert_N == e]
+        assert r.max() - r.min() <= 1  # an expert's pairs are split evenly over its slots
+    capped = plan("symi", d, state=state)
+    cap = math.ceil(d.sum() / 16)
+    assert capped.info["capacity_rows"] == cap and capped.rows_N.max() <= cap
+    np.testing.assert_array_equal(capped.rows_N, np.minimum(rows, cap))  # overflow dropped, nothing else
+    assert capped.dropped_GE.sum() == np.maximum(rows - cap, 0).sum()
+
+
+# ----------------------------------------------------------------------------- UltraEP
+def _brute_force_threshold(load, owner, free, domain, min_tokens):
+    rank_load = np.bincount(owner, weights=load, minlength=len(free))
+    lo, hi = math.ceil(rank_load.sum() / len(free)), int(rank_load.max())
+    return next(t for t in range(lo, hi + 1) if ultraep_feasible(t, load, owner, free, domain, min_tokens) is not None)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_ultraep_threshold_is_smallest_feasible(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(40):
+        G = int(rng.integers(2, 6))
+        epr = int(rng.integers(1, 4))
+        load = rng.integers(0, 30, G * epr)
+        if rng.random() < 0.6:
+            load[rng.integers(G * epr)] += int(rng.integers(20, 150))
+        owner = np.arange(G * epr) // epr
+        free = np.full(G, int(rng.integers(0, 3)))
+        domain = np.zeros(G, dtype=int) if rng.random() < 0.5 else np.arange(G) % 2
+        min_tokens = int(rng.choice([1, 2, 5]))
+        for fast in (True, False):
+            tau, reps = ultraep_threshold(load, owner, free, domain, min_tokens, fast_path=fast)
+            assert tau == _brute_force_threshold(load, owner, free, domain, min_tokens)
+            assert reps == ultraep_feasible(tau, load, owner, free, domain, min_tokens)
+
+
+def test_ultraep_literal_floor_is_not_monotone():
+    """docs/placement.md: read literally, the min_tokens floor fails at a larger threshold."""
+    load, owner, free, domain = np.array([7, 29, 5, 9]), np.arange(4), np.ones(4, dtype=int), np.zeros(4, dtype=int)
+    assert ultraep_feasible(17, load, owner, free, domain, 10, overshoot=False) is not None
+    assert ultraep_feasible(20, load, owner, free, domain, 10, overshoot=False) is None  # need 9 < 10
+    assert ultraep_feasible(20, load, owner, free, domain, 10) is not None
+    assert ultraep_threshold(load, owner, free, domain, 10, overshoot=False)[0] == 29  # binary search misses 17
+    assert ultraep_threshold(load, owner, free, domain, 10)[0] == 17
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ultraep_plan_meets_threshold_with_constraints(kind):
+    cluster = Cluster(4, 4, fast_domains=((0, 1), (2, 3)))
+    for seed in SEEDS:
+        d = make_demand(kind, seed)
+        p = plan("ultraep", d, cluster=cluster)
+        assert p.rows_G.max() <= p.info["threshold"]
+        assert p.info["threshold"] == _brute_force_threshold(d.sum(0), np.arange(8) // 2, np.full(4, 2),
+                                                              cluster.domain_G, 4)
+        assert (p.num_replicas_G <= 2).all()
+        rows, ex, rk = p.rows_N, p.expert_N, p.rank_N
+        for n, inst in enumerate(p.instances):
+            if not inst.is_replica:
+                assert d[:, inst.expert].sum() == 0 or rows[n] >= 1  # the master keeps at least one token
+                continue
+            owner = inst.expert // 2
+            assert cluster.domain_G[inst.rank] == cluster.domain_G[owner]  # inside the fast domain
+            assert rows[n] >= 4  # min_tokens
+            assert p.send_GN[inst.rank, n] == min(rows[n], d[inst.rank, inst.expert])  # locality first
+        for e in range(8):
+            assert len(set(rk[ex == e])) == (ex == e).sum()  # at most one copy per rank
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ultraep_greedy_even_split(kind):
+    for seed in SEEDS:
+        d = make_demand(kind, seed)
+        p = plan("ultraep_greedy", d)
+        assert (p.num_replicas_G <= 2).all()
+        for e in range(8):
+            r = p.rows_N[p.expert_N == e]
+            assert r.max() - r.min() <= 1
+        assert p.rows_G.max() <= plan("fixed", d).rows_G.max()
+
+
+# ----------------------------------------------------------------------------- LRMoE
+@pytest.mark.parametrize("policy", ["waterfill", "proportional"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_lrmoe_keeps_exactly_the_quota_without_pressure(kind, policy):
+    for seed in SEEDS:
+        for rho in (0.0, 0.1, 0.3):
+            d = make_demand(kind, seed)
+            p = plan("lrmoe", d, drop_ratio=rho, quota_policy=policy)
+            np.testing.assert_array_equal(p.kept_E, compute_quota(d.sum(0), rho, policy))
+            assert p.kept_N.sum() == retained_total(int(d.sum()), rho)
+            assert p.dropped_GE.sum() == 0  # the forward is complete
+            # balancing never makes the slowest rank slower than fixed ownership with the same quotas
+            fixed_cost = np.bincount(np.arange(8) // 2, weights=d.sum(0) + 2 * p.kept_E, minlength=4)
+            assert p.cost_G().max() <= fixed_cost.max()
+            assert p.cost_G().max() <= p.info["threshold"] + 2 * len(p.instances)  # rounding of kept rows
+
+
+def test_lrmoe_retained_demand_drives_replicas():
+    """The paper's figure: loads [4, 2, 3]; after trimming, the hot expert needs no replica."""
+    d = np.array([[2, 1, 1], [1, 1, 1], [1, 0, 1]])
+    dims, cluster = ModelDims(64, 32, 3), Cluster(3, 2)
+    full = plan_placement("lrmoe", d, cluster, dims, math.inf)
+    trimmed = plan_placement("lrmoe", d, cluster, dims, math.inf, drop_ratio=1 / 3)
+    assert full.is_replica_N.sum() == 1 and full.instances[3].expert == 0
+    np.testing.assert_array_equal(trimmed.kept_E, [2, 2, 2])
+    assert trimmed.is_replica_N.sum() == 0
+    for seed in SEEDS:
+        d = make_demand("skewed", seed)
+        n_replicas = [plan("lrmoe", d, drop_ratio=rho).is_replica_N.sum() for rho in (0.5, 0.0)]
+        assert n_replicas[0] <= n_replicas[1]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_lrmoe_never_exceeds_budget_nor_keeps_too_few(kind):
+    shrunk = 0
+    for seed in SEEDS:
+        d = make_demand(kind, seed)
+        free = plan("lrmoe", d)
+        static = free.memory.base_G.max()
+        for frac in (0.95, 0.8, 0.6, 0.4):
+            budget = static + frac * (free.memory.peak - static)
+            p = plan("lrmoe", d, budget)
+            assert p.fits and p.memory.peak <= budget
+            assert p.dropped_GE.sum() == 0
+            kept, P = int(p.kept_N.sum()), int(p.demand_GE.sum())
+            if not p.over_budget:  # placement alone made it fit: the quota is untouched
+                assert p.fallback == "none" and kept == retained_total(P, 0.2)
+            elif p.fallback == "shrink_quota":  # keeping one more pair would not fit
+                assert kept < retained_total(P, 0.2)
+                rho = 1 - (kept + 1) / P
+                more = plan("lrmoe", d, budget, drop_ratio=rho, max_drop_ratio=rho, fallback="oom")
+                assert int(more.kept_N.sum()) == kept + 1 and more.over_budget and not more.fits
+                shrunk += 1
+            else:
+                assert p.fallback.startswith("split_microbatch:") and kept <= retained_total(P, 0.2)
+        oom = plan("lrmoe", d, static * 0.5)
+        assert oom.fallback == "oom" and oom.over_budget and not oom.fits
+    assert shrunk > 0
+
+
+# ----------------------------------------------------------------------------- baseline fallbacks
+@pytest.mark.parametrize("name", ["fixed", "symi", "ultraep", "ultraep_greedy"])
+def test_baseline_fallbacks(name):
+    for seed in SEEDS:
+        d = make_demand("skewed", seed)
+        free = plan(name, d)
+        static = (free.memory.base_G + free.memory.replicas_G).max()
+        budget = static + 0.5 * (free.memory.peak - static)
+        split = plan(name, d, budget)
+        n = split.num_splits
+        assert split.over_budget and split.fits and split.fallback == f"split_microbatch:{n}" and n >= 2
+        np.testing.assert_array_equal(split.demand_GE, -(-d // n))  # the largest of n pieces
+        smaller = plan(name, -(-d // (n - 1)), budget, fallback="oom")
+        assert smaller.fallback == "oom" and not smaller.fits  # n is the fewest pieces that fit
+        drop = plan(name, d, budget, fallback="drop")
+        assert drop.fits and drop.fallback == "drop_over_capacity" and drop.dropped_GE.sum() > 0
+        assert drop.rows_N.max() <= drop.info["row_cap"]
+        oom = plan(name, d, budget, fallback="oom")
+        assert oom.over_budget and not oom.fits and oom.fallback == "oom"
+        assert plan(name, d, static * 0.5).fallback == "oom"
