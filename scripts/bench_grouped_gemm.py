@@ -242,6 +242,12 @@ def experts_section(model, H, I, E, P, device, dtype, reps, warmup):
 
 # ---------------------------------------------------------------- main
 
+def autotune_choices() -> dict:
+    """The config autotune picked per kernel and key (empty under the interpreter: one config)."""
+    return {name: {str(k): str(v) for k, v in getattr(kernel, "cache", {}).items()}
+            for name, kernel in (("row_split", tgg._row_split_kernel), ("contraction_split", tgg._contraction_split_kernel))}
+
+
 def targets(pass_rows, peak) -> list[str]:
     lines = []
     for r in pass_rows:
@@ -278,29 +284,40 @@ def main(argv=None) -> dict:
     print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}), {dtype}, "
           f"measured dense peak {peak and round(peak)} TFLOP/s (reference {PEAK_REF_TFLOPS:.0f})", flush=True)
     gemm_rows, fused_rows, expert_rows = [], [], []
+    path = args.out / f"bench_grouped_gemm_{device.type}.json"
+
+    def save(done: bool):
+        """Written after every section, so a run stopped by a time limit keeps what it measured."""
+        pass_rows = per_pass(gemm_rows)
+        for r in pass_rows:
+            r["pct_peak"] = 100 * r["triton_tflops"] / peak if peak else None
+        lines = targets(pass_rows, peak) if not args.smoke else []
+        payload = {"benchmark": "grouped_gemm", "complete": done, "smoke": args.smoke, "dtype": str(dtype),
+                   "rows_per_rank": P, "local_experts": E, "models": {m: dict(H=h, I=i) for m, (h, i) in models.items()},
+                   "peak_tflops_measured": peak, "peak_tflops_reference": PEAK_REF_TFLOPS,
+                   "tma_failed": tgg._TMA_FAILED, "autotune": autotune_choices(), "environment": environment(device),
+                   "gemm": gemm_rows,
+                   "passes": pass_rows, "fused": fused_rows, "experts": expert_rows, "targets": lines}
+        write_json(path, payload)
+        return payload, pass_rows, lines
+
     for model, (H, I) in models.items():
         if "gemm" in sections:
             print(f"[gemm] {model}", flush=True)
             gemm_rows += gemm_section(model, H, I, E, P, device, dtype, reps, peak)
+            save(False)
         if "fused" in sections:
             print(f"[fused] {model}", flush=True)
             fused_rows += fused_section(model, H, I, E, P, device, dtype, reps)
+            save(False)
         if "experts" in sections:
             print(f"[experts] {model}", flush=True)
             expert_rows += experts_section(model, H, I, E, P, device, dtype, reps=max(1, reps // 2),
                                            warmup=0 if args.smoke else 2)
+            save(False)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    pass_rows = per_pass(gemm_rows)
-    for r in pass_rows:
-        r["pct_peak"] = 100 * r["triton_tflops"] / peak if peak else None
-    lines = targets(pass_rows, peak) if not args.smoke else []
-    payload = {"benchmark": "grouped_gemm", "smoke": args.smoke, "dtype": str(dtype), "rows_per_rank": P,
-               "local_experts": E, "models": {m: dict(H=h, I=i) for m, (h, i) in models.items()},
-               "peak_tflops_measured": peak, "peak_tflops_reference": PEAK_REF_TFLOPS,
-               "environment": environment(device), "gemm": gemm_rows, "passes": pass_rows,
-               "fused": fused_rows, "experts": expert_rows, "targets": lines}
-    path = write_json(args.out / f"bench_grouped_gemm_{device.type}.json", payload)
+    payload, pass_rows, lines = save(True)
 
     if fused_rows:
         print(markdown_table(fused_rows, [("model", "model", ""), ("sizes", "sizes", ""), ("op", "op", ""),
@@ -312,8 +329,8 @@ def main(argv=None) -> dict:
                                            ("fwd_bwd_ms", "fwd+bwd ms", ".2f"), ("vs_hf", "vs HF grouped_mm", ".3f")]))
     if pass_rows:
         print(markdown_table(pass_rows, [("model", "model", ""), ("sizes", "sizes", ""), ("pass_", "pass", ""),
-                                         ("rows", "rows", "d"), ("triton_tflops", "triton TFLOP/s", ".0f"),
-                                         ("pct_peak", "% peak", ".0f"), ("torch_tflops", "F.grouped_mm TFLOP/s", ".0f"),
+                                         ("rows", "rows", "d"), ("triton_tflops", "triton TFLOP/s", ".1f"),
+                                         ("pct_peak", "% peak", ".0f"), ("torch_tflops", "F.grouped_mm TFLOP/s", ".1f"),
                                          ("vs_torch", "vs F.grouped_mm", ".2f")]))
     print("\n".join(lines))
     print(f"wrote {path}")

@@ -223,6 +223,23 @@ def test_layer_triton_matches_loop(mode, rho, rng_seed):
         torch.testing.assert_close(u, v, rtol=1e-4, atol=1e-5)
 
 
+def test_bench_script_smoke(tmp_path):
+    """scripts/bench_grouped_gemm.py runs end to end at its tiny --smoke shapes and writes JSON."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_grouped_gemm.py"
+    spec = importlib.util.spec_from_file_location("bench_grouped_gemm", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    sizes = bench.zipf_sizes(1000, 16)
+    assert int(sizes.sum()) == 1000 and 3.9 <= float(sizes.max()) / (1000 / 16) <= 4.1
+    bench.main(["--smoke", "--sections", "gemm", "--out", str(tmp_path)])
+    data = json.loads(next(tmp_path.glob("bench_grouped_gemm_*.json")).read_text())
+    assert data["complete"] and {r["pass_"] for r in data["passes"]} == {"fwd", "dgrad", "wgrad"}
+
+
 # ---- CUDA only: real shapes (one EP8 rank of Qwen3-30B-A3B), bf16, against F.grouped_mm ----
 
 def _skewed_offsets(M, G):

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# One-GPU check (Hopper, e.g. one H200): the CUDA tests, the grouped GEMM benchmark and the layer
+# benchmark, in under 8 minutes, with only what the machine has preinstalled (no network).
+#
+#     bash scripts/gpu_check.sh            # writes under $OUT, default results/gpu/<date>-<gpu name>/
+#
+# Each step runs under its own time limit (so the whole check stays under 8 minutes) and writes
+# its log next to its JSON; a short table of the results is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python3}
+
+gpu=$($PY -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))" 2>/dev/null || echo no-gpu)
+OUT=${OUT:-results/gpu/$(date +%Y%m%d-%H%M%S)-$gpu}
+mkdir -p "$OUT"
+{
+    nvidia-smi
+    $PY -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+    $PY -c "import transformers; print('transformers', transformers.__version__)"
+    git rev-parse HEAD 2>/dev/null
+} >"$OUT/env.txt" 2>&1
+
+: >"$OUT/steps.txt"
+step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log, record rc and time
+    local name=$1 limit=$2 t0=$SECONDS rc
+    shift 2
+    echo "== $name (limit ${limit}s)"
+    timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    rc=$?
+    echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/steps.txt"
+    tail -n 3 "$OUT/$name.log"
+}
+
+step pytest_cuda 150 $PY -m pytest -q -m cuda tests -p no:cacheprovider --junitxml="$OUT/pytest_cuda.xml"
+if [ "$gpu" = no-gpu ]; then  # only the plumbing can be checked without a GPU
+    echo "no CUDA GPU: the CUDA tests are skipped and the benchmark runs its --smoke shapes"
+    step bench_grouped_gemm 210 $PY scripts/bench_grouped_gemm.py --smoke --out "$OUT"
+else
+    step bench_grouped_gemm 210 $PY scripts/bench_grouped_gemm.py --reps 5 --out "$OUT"
+    if [ -f scripts/bench_layer.py ]; then
+        step bench_layer 90 $PY scripts/bench_layer.py --device cuda --out "$OUT"
+    fi
+fi
+
+$PY - "$OUT" <<'PYEOF'
+import json, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+print(f"\n==== GPU check summary ({out}) ====")
+print(out.joinpath("steps.txt").read_text().strip())
+log = out / "pytest_cuda.log"
+if log.exists():
+    lines = [l for l in log.read_text().splitlines() if l.strip()]
+    print("pytest -m cuda:", lines[-1] if lines else "(no output)")
+for f in sorted(out.glob("bench_grouped_gemm_*.json")):
+    d = json.loads(f.read_text())
+    peak = d.get("peak_tflops_measured")
+    print(f"\ngrouped GEMM, {d['dtype']} ({'complete' if d.get('complete') else 'INCOMPLETE'}; measured peak "
+          f"{peak and round(peak)} TFLOP/s; TMA {'FAILED: ' + d['tma_failed'][0][:80] if d.get('tma_failed') else 'ok'})")
+    print(f"{'model':14} {'sizes':13} {'pass':6} {'TFLOP/s':>8} {'%peak':>6} {'xF.gmm':>7}")
+    for r in d["passes"]:
+        pct = f"{r['pct_peak']:.0f}" if r.get("pct_peak") else "-"
+        print(f"{r['model']:14} {r['sizes']:13} {r['pass_']:6} {r['triton_tflops']:8.0f} {pct:>6} {r['vs_torch']:7.2f}")
+    for r in d["fused"]:
+        print(f"fused {r['model']:14} {r['sizes']:11} {r['op']:30} x{r['fused_speedup']:.2f} vs gather+triton")
+    for r in d["experts"]:
+        print(f"experts {r['model']:14} {r['sizes']:9} {r['variant']:20} {r['fwd_bwd_ms']:8.2f} ms  x{r['vs_hf']:.3f} of HF")
+    misses = [t for t in d.get("targets", []) if t.startswith("[MISS]")]
+    print(f"targets: {len(d.get('targets', [])) - len(misses)} pass, {len(misses)} miss")
+    for t in misses:
+        print("  " + t)
+f = out / "bench_layer_cuda.json"
+if f.exists():
+    d = json.loads(f.read_text())
+    print("\nlayer benchmark:")
+    for t in d.get("targets", []):
+        print("  " + t)
+PYEOF
