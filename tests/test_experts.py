@@ -193,3 +193,16 @@ def test_bad_inputs():
         BackwardPolicy(quota="nope")
     with pytest.raises(ValueError, match=r"unknown backward mode 'drop'; accepted: \['full', 'compact', 'mask'\]"):
         BackwardPolicy(mode="drop")
+
+
+def test_mask_equals_compact_when_nonfinite_pairs_are_dropped():
+    """More NaN pairs than quota: the dropped NaN rows must not leak into mask mode's GEMMs."""
+    x, idx, w, gu, dn, dy = make_case(16, 5, 4, 2, 1)
+    dy[:12] = float("nan")
+    case = (x, idx, w, gu, dn, dy)
+    _, g_c, r_c = run_lrmoe(case, BackwardPolicy(0.5, mode="compact"))
+    _, g_m, r_m = run_lrmoe(case, BackwardPolicy(0.5, mode="mask"))
+    assert r_c.nonfinite == 12 and int((~r_c.kept_mask[:12]).sum()) > 0  # some NaN pairs dropped
+    for a, b in zip(g_c, g_m):
+        torch.testing.assert_close(a, b, equal_nan=True)
+    assert torch.isfinite(g_c[0][~r_c.kept_mask.squeeze(1)]).all()  # dropped tokens: router path only
