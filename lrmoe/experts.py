@@ -131,7 +131,7 @@ class _SelectiveExperts(torch.autograd.Function):
         del h
         inv_perm = torch.empty_like(perm_P)
         inv_perm[perm_P] = torch.arange(P, device=perm_P.device)
-        O_TKH = O.index_select(0, inv_perm).view(T, K, -1)  # back to pair order
+        O_TKH = O.index_select(0, inv_perm).view(T, K, O.shape[-1])  # back to pair order
         acc = _acc_dtype(O_TKH, top_k_weights_TK)
         y = torch.bmm(top_k_weights_TK.to(acc).unsqueeze(1), O_TKH.to(acc)).squeeze(1).to(hidden_TH.dtype)
 

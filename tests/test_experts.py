@@ -206,3 +206,14 @@ def test_mask_equals_compact_when_nonfinite_pairs_are_dropped():
     for a, b in zip(g_c, g_m):
         torch.testing.assert_close(a, b, equal_nan=True)
     assert torch.isfinite(g_c[0][~r_c.kept_mask.squeeze(1)]).all()  # dropped tokens: router path only
+
+
+@pytest.mark.parametrize("mode", ["full", "compact", "mask"])
+def test_no_tokens(mode):
+    """An empty batch (e.g. an expert-parallel rank with no tokens) gives empty outputs and zero grads."""
+    x, idx, w, gu, dn, dy = make_case(3, 6, 4, 3, 2)
+    case = (x[:0], idx[:0], w[:0], gu, dn, dy[:0])
+    y, grads, rec = run_lrmoe(case, BackwardPolicy(0.3, mode=mode))
+    assert y.shape == (0, 6) and grads[0].shape == (0, 6)
+    assert grads[2].abs().sum() == 0 and grads[3].abs().sum() == 0
+    assert rec.demand.sum() == 0 and rec.kept.sum() == 0

@@ -67,6 +67,8 @@ def sum_rows_by_token(rows_NH: torch.Tensor, rows_pair_N: torch.Tensor, num_toke
     Deterministic on every device: rows are put in pair order (= token order) and summed per token
     by a segmented reduction; tokens without rows get zeros. On CPU this is several times faster
     than ``index_add_``, and on CUDA it avoids atomics."""
+    if rows_pair_N.numel() == 0:
+        return rows_NH.new_zeros(num_tokens, rows_NH.shape[1])
     order = torch.argsort(rows_pair_N)
     lengths = torch.bincount(rows_pair_N // top_k, minlength=num_tokens)
     return torch.segment_reduce(rows_NH.index_select(0, order), "sum", lengths=lengths, axis=0)
