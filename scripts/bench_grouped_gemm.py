@@ -283,7 +283,7 @@ def main(argv=None) -> dict:
     peak = measured_peak(device, dtype)
     print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}), {dtype}, "
           f"measured dense peak {peak and round(peak)} TFLOP/s (reference {PEAK_REF_TFLOPS:.0f})", flush=True)
-    gemm_rows, fused_rows, expert_rows = [], [], []
+    gemm_rows, fused_rows, expert_rows, errors = [], [], [], []
     path = args.out / f"bench_grouped_gemm_{device.type}.json"
 
     def save(done: bool):
@@ -297,26 +297,31 @@ def main(argv=None) -> dict:
                    "peak_tflops_measured": peak, "peak_tflops_reference": PEAK_REF_TFLOPS,
                    "tma_failed": tgg._TMA_FAILED, "autotune": autotune_choices(), "environment": environment(device),
                    "gemm": gemm_rows,
-                   "passes": pass_rows, "fused": fused_rows, "experts": expert_rows, "targets": lines}
+                   "passes": pass_rows, "fused": fused_rows, "experts": expert_rows, "targets": lines, "errors": errors}
         write_json(path, payload)
         return payload, pass_rows, lines
 
-    for model, (H, I) in models.items():
-        if "gemm" in sections:
-            print(f"[gemm] {model}", flush=True)
-            gemm_rows += gemm_section(model, H, I, E, P, device, dtype, reps, peak)
+    for section in ("gemm", "fused", "experts"):  # section-major: a failure late loses nothing earlier
+        if section not in sections:
+            continue
+        for model, (H, I) in models.items():
+            print(f"[{section}] {model}", flush=True)
+            try:
+                if section == "gemm":
+                    gemm_rows += gemm_section(model, H, I, E, P, device, dtype, reps, peak)
+                elif section == "fused":
+                    fused_rows += fused_section(model, H, I, E, P, device, dtype, reps)
+                else:
+                    expert_rows += experts_section(model, H, I, E, P, device, dtype, reps=max(1, reps // 2),
+                                                   warmup=0 if args.smoke else 2)
+            except Exception as e:  # noqa: BLE001 - record, keep measuring the rest
+                if args.smoke:
+                    raise
+                errors.append(f"{section} {model}: {type(e).__name__}: {e}")
+                print("ERROR", errors[-1], flush=True)
             save(False)
-        if "fused" in sections:
-            print(f"[fused] {model}", flush=True)
-            fused_rows += fused_section(model, H, I, E, P, device, dtype, reps)
-            save(False)
-        if "experts" in sections:
-            print(f"[experts] {model}", flush=True)
-            expert_rows += experts_section(model, H, I, E, P, device, dtype, reps=max(1, reps // 2),
-                                           warmup=0 if args.smoke else 2)
-            save(False)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     payload, pass_rows, lines = save(True)
 
     if fused_rows:
@@ -332,7 +337,7 @@ def main(argv=None) -> dict:
                                          ("rows", "rows", "d"), ("triton_tflops", "triton TFLOP/s", ".1f"),
                                          ("pct_peak", "% peak", ".0f"), ("torch_tflops", "F.grouped_mm TFLOP/s", ".1f"),
                                          ("vs_torch", "vs F.grouped_mm", ".2f")]))
-    print("\n".join(lines))
+    print("\n".join(lines + [f"ERROR {e}" for e in errors]))
     print(f"wrote {path}")
     return payload
 

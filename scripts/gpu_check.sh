@@ -67,6 +67,8 @@ for f in sorted(out.glob("bench_grouped_gemm_*.json")):
         print(f"fused {r['model']:14} {r['sizes']:11} {r['op']:30} x{r['fused_speedup']:.2f} vs gather+triton")
     for r in d["experts"]:
         print(f"experts {r['model']:14} {r['sizes']:9} {r['variant']:20} {r['fwd_bwd_ms']:8.2f} ms  x{r['vs_hf']:.3f} of HF")
+    for e in d.get("errors", []):
+        print("ERROR", e[:200])
     misses = [t for t in d.get("targets", []) if t.startswith("[MISS]")]
     print(f"targets: {len(d.get('targets', [])) - len(misses)} pass, {len(misses)} miss")
     for t in misses:
