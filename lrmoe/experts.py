@@ -19,7 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .kernels.grouped_gemm import grouped_mm
+from .kernels.grouped_gemm import grouped_mm, resolve_backend
 from .kernels.routing import kept_positions, select_top_quota, sort_pairs_by_expert, sum_rows_by_token
 from .policy import BackwardPolicy, BackwardRecord
 from .quota import quota_for, retained_total
@@ -69,15 +69,16 @@ def _acc_dtype(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
     return torch.promote_types(a.dtype, b.dtype)
 
 
-def expert_backward(G_NH, GU_N2I, X_NH, offs_E, gate_up_proj, down_proj, backend="auto"):
+def expert_backward(G_NH, GU_N2I, X_NH, offs_E, gate_up_proj, down_proj, backend="auto", x_index=None):
     """Grouped-GEMM backward of the SwiGLU experts over the given rows (kept rows in compact mode).
 
     G = alpha * dL/dy rows, GU = saved gate/up pre-activations, X = expert inputs, all in the
-    same expert-contiguous order described by ``offs_E``. Returns (dX [N, H], dW_gu, dW_d)."""
+    same expert-contiguous order described by ``offs_E`` (with ``x_index``, row i of X is
+    ``X_NH[x_index[i]]``, read inside the wgrad kernel). Returns (dX [N, H], dW_gu, dW_d)."""
     dh = grouped_mm(G_NH, down_proj, offs_E, backend=backend)  # [N, I]
     h, dGU = _swiglu_backward(GU_N2I, dh)
     dW_d = grouped_mm(G_NH.t(), h, offs_E, backend=backend)  # [E, H, I]
-    dW_gu = grouped_mm(dGU.t(), X_NH, offs_E, backend=backend)  # [E, 2I, H]
+    dW_gu = grouped_mm(dGU.t(), X_NH, offs_E, backend=backend, b_index=x_index)  # [E, 2I, H]
     dX = grouped_mm(dGU, gate_up_proj, offs_E, backend=backend)  # [N, H]
     return dX, dW_gu, dW_d
 
@@ -118,20 +119,28 @@ class _SelectiveExperts(torch.autograd.Function):
         quota_E = quota_for(demand_E, n_keep, policy.quota, **policy.quota_kwargs) if n_keep < P else demand_E
 
         token_P = perm_P // K  # token of each pair, in sorted order
-        X = hidden_TH.to(w_dtype)[token_P]
-        GU = grouped_mm(X, gate_up_proj.transpose(1, 2), offs_E, backend=policy.backend)
+        x_TH = hidden_TH.to(w_dtype)
+        backend = resolve_backend(policy.backend, x_TH, gate_up_proj)
+        fused = policy.fuse_gather if policy.fuse_gather is not None else backend == "triton"
+        if fused:  # token rows read inside the GEMM's loads; no gathered copy of X
+            X = None
+            GU = grouped_mm(x_TH, gate_up_proj.transpose(1, 2), offs_E, backend=backend, a_index=token_P)
+        else:
+            X = x_TH[token_P]
+            GU = grouped_mm(X, gate_up_proj.transpose(1, 2), offs_E, backend=backend)
         h = _swiglu(GU)
-        O = grouped_mm(h, down_proj.transpose(1, 2), offs_E, backend=policy.backend)
+        inv_perm = torch.empty_like(perm_P)
+        inv_perm[perm_P] = torch.arange(P, device=perm_P.device)
+        if fused:  # output rows written straight back to pair order
+            O_P = grouped_mm(h, down_proj.transpose(1, 2), offs_E, backend=backend, out_index=perm_P)
+        else:
+            O_P = grouped_mm(h, down_proj.transpose(1, 2), offs_E, backend=backend).index_select(0, inv_perm)
         phi_norm2_TK = None
         if policy.mode != "full" and policy.drop_ratio > 0:
             hf = h.float()
-            phi_norm2_TK = torch.empty(P, device=h.device, dtype=torch.float32)
-            phi_norm2_TK[perm_P] = (hf * hf).sum(-1)
-            phi_norm2_TK = phi_norm2_TK.view(T, K)
+            phi_norm2_TK = (hf * hf).sum(-1).index_select(0, inv_perm).view(T, K)
         del h
-        inv_perm = torch.empty_like(perm_P)
-        inv_perm[perm_P] = torch.arange(P, device=perm_P.device)
-        O_TKH = O.index_select(0, inv_perm).view(T, K, O.shape[-1])  # back to pair order
+        O_TKH = O_P.view(T, K, O_P.shape[-1])
         acc = _acc_dtype(O_TKH, top_k_weights_TK)
         y = torch.bmm(top_k_weights_TK.to(acc).unsqueeze(1), O_TKH.to(acc)).squeeze(1).to(hidden_TH.dtype)
 
@@ -141,6 +150,7 @@ class _SelectiveExperts(torch.autograd.Function):
         ctx.save_for_backward(hidden_TH, top_k_weights_TK, gate_up_proj, down_proj, top_k_index_TK,
                               perm_P, offs_E, demand_E, quota_E, GU, O_TKH, phi_norm2_TK, None if compacts else X)
         ctx.policy, ctx.record, ctx.n_keep, ctx.compacts = policy, record, n_keep, compacts
+        ctx.backend, ctx.fused = backend, fused
         return y
 
     @staticmethod
@@ -179,7 +189,8 @@ class _SelectiveExperts(torch.autograd.Function):
             pos = kept_positions(keep_P, perm_P, n_keep)
             rows_pair, offs = perm_P[pos], torch.cumsum(quota_E, 0).to(torch.int32)
             rows_token, GU_rows = token_P[pos], GU[pos]
-            X = hidden_TH.to(w_dtype)[rows_token]
+            if not ctx.fused:
+                X = hidden_TH.to(w_dtype)[rows_token]
         else:
             rows_pair, offs, rows_token, GU_rows = perm_P, offs_E, token_P, GU
         watch.lap("compact")
@@ -191,7 +202,11 @@ class _SelectiveExperts(torch.autograd.Function):
         watch.lap("grad_rows")
 
         # 4. Grouped GEMMs over those rows only.
-        dX, dW_gu, dW_d = expert_backward(G, GU_rows, X, offs, gate_up_proj, down_proj, backend=policy.backend)
+        if ctx.fused:
+            dX, dW_gu, dW_d = expert_backward(G, GU_rows, hidden_TH.to(w_dtype), offs, gate_up_proj, down_proj,
+                                              backend=ctx.backend, x_index=rows_token)
+        else:
+            dX, dW_gu, dW_d = expert_backward(G, GU_rows, X, offs, gate_up_proj, down_proj, backend=ctx.backend)
         watch.lap("gemm")
         grad_hidden = None
         if ctx.needs_input_grad[0]:

@@ -27,6 +27,9 @@ class BackwardPolicy:
         zero-masked in full-size GEMMs; saves nothing, kept for the ablation).
     seed: seed of the ``random`` scorer's generator (None: torch's global RNG).
     backend: grouped GEMM backend (``auto``, ``triton``, ``torch``, ``loop``).
+    fuse_gather: read token rows inside the grouped GEMMs' loads (forward and wgrad) and write
+        the forward output straight to pair order, instead of gathering into contiguous buffers;
+        None (default) fuses when the grouped GEMM backend resolves to ``triton``.
     profile: record per-phase backward timings in ``BackwardRecord.timings`` (synchronises the
         device after each phase: for analysis, not for training runs).
     """
@@ -39,6 +42,7 @@ class BackwardPolicy:
     scorer_kwargs: dict = field(default_factory=dict)
     quota_kwargs: dict = field(default_factory=dict)
     backend: str = "auto"
+    fuse_gather: bool | None = None
     profile: bool = False
 
     def __post_init__(self):
