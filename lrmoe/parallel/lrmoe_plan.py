@@ -40,7 +40,9 @@ import math
 
 import numpy as np
 
-from ..quota import check_drop_ratio, compute_quota, retained_total
+import torch
+
+from ..quota import check_drop_ratio, compute_quota, quota_for, retained_total
 from .memory import instance_bytes, token_row_bytes
 from .plan import (Cluster, ModelDims, largest_remainder, locality_split, make_plan, owned_layout, register_placement,
                    replica_instances, resolve_budget)
@@ -49,15 +51,10 @@ _EPS = 1e-9
 
 
 def _quota(d_E: np.ndarray, n_keep: int, policy: str, options: dict) -> np.ndarray:
-    """Quotas summing to n_keep from the quota policy (via compute_quota's drop ratio)."""
-    P = int(d_E.sum())
-    if n_keep >= P:
+    """Quotas summing exactly to n_keep from the quota policy (the single-process layer's code)."""
+    if n_keep >= int(d_E.sum()):
         return d_E.copy()
-    if n_keep == 0:
-        return np.zeros_like(d_E)
-    q = compute_quota(d_E, 1.0 - n_keep / P, policy, **options)
-    assert int(q.sum()) == n_keep, (int(q.sum()), n_keep)
-    return q
+    return quota_for(torch.from_numpy(np.ascontiguousarray(d_E, dtype=np.int64)), n_keep, policy, **options).numpy()
 
 
 def _greedy(tau, cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, domain_G, rep_bytes, budget,
