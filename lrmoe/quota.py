@@ -18,32 +18,16 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .registry import Registry
+
 QuotaFn = Callable[..., torch.Tensor]
-_QUOTA_POLICIES: dict[str, QuotaFn] = {}
-
-
-def register_quota_policy(name: str, fn: QuotaFn | None = None):
-    """Register ``fn(demand_E, n_keep, **kwargs) -> quota_E`` under ``name``; usable as a decorator."""
-
-    def _register(f: QuotaFn) -> QuotaFn:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"quota policy name must be a non-empty string, got {name!r}")
-        _QUOTA_POLICIES[name] = f
-        return f
-
-    return _register(fn) if fn is not None else _register
-
-
-def quota_policies() -> list[str]:
-    """Names of the registered quota policies."""
-    return sorted(_QUOTA_POLICIES)
-
-
-def get_quota_policy(name: str) -> QuotaFn:
-    try:
-        return _QUOTA_POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown quota policy {name!r}; registered: {quota_policies()}") from None
+_QUOTA_POLICIES = Registry("quota policy")
+#: ``register_quota_policy(name, fn)`` or ``@register_quota_policy(name)``:
+#: ``fn(demand_E, n_keep, **kwargs) -> quota_E``.
+register_quota_policy = _QUOTA_POLICIES.register
+#: Names of the registered quota policies.
+quota_policies = _QUOTA_POLICIES.names
+get_quota_policy = _QUOTA_POLICIES.get
 
 
 def check_drop_ratio(drop_ratio: float) -> float:

@@ -17,8 +17,15 @@ from typing import Callable
 
 import torch
 
+from .registry import Registry
+
 ScorerFn = Callable[..., torch.Tensor]
-_SCORERS: dict[str, ScorerFn] = {}
+_SCORERS = Registry("scorer")
+#: ``register_scorer(name, fn)`` or ``@register_scorer(name)``: ``fn(inputs: ScoreInputs, **kw) -> scores [T, K]``.
+register_scorer = _SCORERS.register
+#: Names of the registered scorers.
+scorers = _SCORERS.names
+get_scorer = _SCORERS.get
 
 
 @dataclass
@@ -42,30 +49,6 @@ class ScoreInputs:
     def input_norm2_T(self) -> torch.Tensor:
         x = self.hidden_TH.float()
         return (x * x).sum(-1)
-
-
-def register_scorer(name: str, fn: ScorerFn | None = None):
-    """Register ``fn(inputs: ScoreInputs, **kwargs) -> scores [T, K]``; usable as a decorator."""
-
-    def _register(f: ScorerFn) -> ScorerFn:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"scorer name must be a non-empty string, got {name!r}")
-        _SCORERS[name] = f
-        return f
-
-    return _register(fn) if fn is not None else _register
-
-
-def scorers() -> list[str]:
-    """Names of the registered scorers."""
-    return sorted(_SCORERS)
-
-
-def get_scorer(name: str) -> ScorerFn:
-    try:
-        return _SCORERS[name]
-    except KeyError:
-        raise ValueError(f"unknown scorer {name!r}; registered: {scorers()}") from None
 
 
 @register_scorer("lrm")

@@ -63,7 +63,7 @@ def test_registry_lists_builtins_and_rejects_unknown():
 
 
 def test_register_custom_policy(monkeypatch):
-    monkeypatch.setattr(plan_mod, "_PLANNERS", dict(plan_mod._PLANNERS))
+    monkeypatch.setattr(plan_mod._PLANNERS, "_fns", dict(plan_mod._PLANNERS._fns))  # undone after the test
     calls = []
 
     @register_placement("mine")

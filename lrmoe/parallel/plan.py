@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..registry import Registry
 from .memory import MemoryBreakdown, plan_memory
 
 __all__ = ["Cluster", "ModelDims", "Instance", "Plan", "MemoryBreakdown", "register_placement",
@@ -223,7 +224,6 @@ class Plan:
 
 
 PlanFn = Callable[..., Plan]
-_PLANNERS: dict[str, PlanFn] = {}
 # Imported on first use (they import this module). The baseline submodules are named one by one so
 # that registration also works where ``baselines`` resolves as a namespace package (an editable
 # install made before baselines/__init__.py existed).
@@ -231,37 +231,18 @@ _BUILTIN_MODULES = ("baselines.megatron", "baselines.symi", "baselines.ultraep",
 
 
 # ----------------------------------------------------------------------------- registry
-def register_placement(name: str, fn: PlanFn | None = None):
-    """Register ``fn(demand_GE, cluster, dims, budget_bytes, *, state=None, **options) -> Plan``;
-    usable as a decorator."""
-
-    def _register(f: PlanFn) -> PlanFn:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"placement policy name must be a non-empty string, got {name!r}")
-        _PLANNERS[name] = f
-        return f
-
-    return _register(fn) if fn is not None else _register
-
-
 def _load_builtin() -> None:
     for module in _BUILTIN_MODULES:
         importlib.import_module(module)
 
 
-def placement_policies() -> list[str]:
-    """Names of the registered placement policies (built-in ones included)."""
-    _load_builtin()
-    return sorted(_PLANNERS)
-
-
-def get_placement(name: str) -> PlanFn:
-    if name not in _PLANNERS:
-        _load_builtin()
-    try:
-        return _PLANNERS[name]
-    except KeyError:
-        raise ValueError(f"unknown placement policy {name!r}; registered: {sorted(_PLANNERS)}") from None
+_PLANNERS = Registry("placement policy", loader=_load_builtin)
+#: ``register_placement(name, fn)`` or ``@register_placement(name)``:
+#: ``fn(demand_GE, cluster, dims, budget_bytes, *, state=None, **options) -> Plan``.
+register_placement = _PLANNERS.register
+#: Names of the registered placement policies (built-in ones included).
+placement_policies = _PLANNERS.names
+get_placement = _PLANNERS.get
 
 
 def check_inputs(demand_GE, cluster: Cluster, dims: ModelDims, budget_bytes) -> np.ndarray:
