@@ -1,0 +1,838 @@
+"""Training loop for the paper's convergence experiments (`lrmoe train`).
+
+    from lrmoe.train import TrainConfig, train
+    cfg = TrainConfig(model="qwen3-moe-small", data="alpaca_en_demo.json", drop_ratio=0.2, steps=400)
+    summary = train(cfg, "results/my_run")
+
+One process, one device. AdamW with linear warm-up and cosine decay to ``min_lr_ratio * lr``,
+global-norm gradient clipping, gradient accumulation (``global_batch = micro_batch * grad_accum``
+rows per optimizer step), bf16 autocast on GPU and fp32 on CPU (``dtype="auto"``).
+
+Files written to ``out_dir`` (all atomically, so a killed run never leaves a torn file):
+
+* ``metrics.jsonl``: one JSON object per optimizer step (schema in :data:`METRIC_KEYS`; eval
+  steps add ``eval_loss``/``eval_ppl``; every step carries per-expert ``demand``/``quota``/``kept``
+  of the sampled MoE layers). Each line is appended and flushed; on resume the file is cut back
+  to the checkpoint's step, so it always equals the uninterrupted run's file (except timings).
+* ``summary.json``: config, environment (versions, hardware, git revision), seed, data stats,
+  model description, ``status`` ("running" or "done"), final metrics and timings.
+* ``checkpoint.pt``: model, optimizer, LR scheduler, RNG states (torch, CUDA, python, numpy, the
+  backward policy's generator) and the data-loader position. Written every
+  ``checkpoint_interval`` steps, on ``stop_after``, on Ctrl-C and at the end.
+
+Exact resume: calling :func:`train` again on the same ``out_dir`` with the same config continues
+from the checkpoint; the losses it logs are bit-identical to those of an uninterrupted run (same
+device, same thread count).
+
+Definitions (see docs/reproduce.md):
+
+* ``loss``: mean next-token cross-entropy over the response tokens (labels != -100) of the whole
+  optimizer step (all micro-batches; each micro-batch's summed loss is divided by the step's token
+  count, so accumulation is exactly equivalent to a bigger micro-batch). ``ppl = exp(loss)`` is the
+  per-token perplexity of the training stream, the quantity the paper averages over its final steps.
+* ``moe_fwd_s``/``moe_bwd_s``: seconds spent *inside the routed-experts functions* of all MoE layers
+  during the step (forward: from entering to leaving each experts module, i.e. dispatch/sort,
+  quotas, grouped GEMMs, combine; backward: from the moment autograd starts the experts node to
+  the moment it has produced its input gradients, i.e. router gradient, scoring, selection,
+  compaction, grouped GEMMs, scatter). Router, attention, shared experts and the optimizer are
+  excluded: this is the paper's "execution inside MoE layers". CPU: ``time.perf_counter``; CUDA:
+  CUDA events, summed after the step's synchronisation.
+* ``kept_fraction``: kept / routed pairs in the expert backward, mean over MoE layers (1.0 at C0).
+* ``tokens_per_s``: non-padding input tokens of the step / wall time of the step.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = ("auto", "fp32", "bf16")
+METRIC_KEYS = ("step", "epoch", "loss", "ppl", "lr", "grad_norm", "tokens", "label_tokens", "tokens_per_s",
+               "step_time_s", "moe_fwd_s", "moe_bwd_s", "kept_fraction", "nonfinite", "layers", "elapsed_s")
+# Fields that may differ between the run that wrote a checkpoint and the run that resumes it.
+_RUNTIME_FIELDS = ("threads", "log_interval", "checkpoint_interval", "eval_interval")
+
+
+@dataclass
+class TrainConfig:
+    """Everything that defines a training run (saved in summary.json and in the checkpoint)."""
+
+    # model
+    model: str = "qwen3-moe-tiny"
+    model_overrides: dict = field(default_factory=dict)
+    # data
+    data: str | None = None
+    tokenizer: str = "bpe:1024"
+    max_records: int | None = None
+    heldout_fraction: float = 0.05
+    data_seed: int = 0
+    seq_len: int = 256
+    # batch
+    micro_batch: int = 4
+    global_batch: int | None = None
+    grad_accum: int | None = None
+    # optimisation
+    steps: int = 100
+    lr: float = 1e-3
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip: float = 1.0
+    # backward policy (lrmoe.policy.BackwardPolicy)
+    drop_ratio: float = 0.0
+    scorer: str = "lrm"
+    quota: str = "waterfill"
+    mode: str = "compact"
+    policy_seed: int | None = None
+    # run
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: int | None = None
+    eval_interval: int = 0
+    eval_batches: int | None = None
+    log_interval: int = 10
+    sample_layers: list = field(default_factory=lambda: [0, -1])
+    checkpoint_interval: int = 0
+
+    _HELP = {
+        "model": "model preset (lrmoe.hf.MODEL_PRESETS)",
+        "model_overrides": "transformers config fields to override, KEY=VALUE (JSON values), e.g. num_hidden_layers=4",
+        "data": "Alpaca source: .json/.jsonl file, directory or hub id (default: $LRMOE_ALPACA, else tatsu-lab/alpaca)",
+        "tokenizer": "'bpe:N' (trained on the training records), 'VOCAB.json,MERGES.txt' or a HF tokenizer dir",
+        "max_records": "keep the first N records of the source (before the held-out split)",
+        "heldout_fraction": "fraction of records held out for evaluation",
+        "data_seed": "seed of the held-out split and of packing (fixed across runs so they share one stream)",
+        "seq_len": "tokens per packed row",
+        "micro_batch": "rows per forward/backward",
+        "global_batch": "rows per optimizer step (default micro_batch * grad_accum)",
+        "grad_accum": "micro-batches per optimizer step (default global_batch / micro_batch, else 1)",
+        "steps": "optimizer steps",
+        "lr": "peak learning rate",
+        "warmup_steps": "linear warm-up steps (from lr/warmup to lr)",
+        "min_lr_ratio": "cosine decay ends at min_lr_ratio * lr",
+        "weight_decay": "AdamW weight decay (not applied to norms, biases and the router correction bias)",
+        "clip": "global gradient-norm clip (0: off)",
+        "drop_ratio": "fraction of routed pairs dropped from the expert backward (C20 = 0.2)",
+        "scorer": "pair scorer: lrm, lrm_input, grad_norm, abs_grad, random",
+        "quota": "quota policy: waterfill, proportional",
+        "mode": "backward mode: compact (LRMoE), mask (zero-masked), full (no selection)",
+        "policy_seed": "seed of the random scorer's generator (default: seed)",
+        "seed": "seed of model initialisation and of the batch order",
+        "device": "auto, cpu, cuda, cuda:N",
+        "dtype": "auto (bf16 autocast on GPU, fp32 on CPU), fp32, bf16 (autocast)",
+        "threads": "torch CPU threads (default: torch's choice)",
+        "eval_interval": "evaluate on the held-out split every N steps (0: only after the last step)",
+        "eval_batches": "held-out micro-batches per evaluation (default: the whole split)",
+        "log_interval": "progress-bar refresh interval in steps (metrics.jsonl gets every step)",
+        "sample_layers": "MoE-layer indices (negative from the end) whose per-expert demand/quota/kept are logged",
+        "checkpoint_interval": "write checkpoint.pt every N steps (0: only at the end / on stop)",
+    }
+
+    def __post_init__(self):
+        self.model_overrides = dict(self.model_overrides or {})
+        self.sample_layers = list(self.sample_layers)
+        self._resolve_batch()
+
+    def _resolve_batch(self):
+        mb = self.micro_batch
+        if not isinstance(mb, int) or mb < 1:
+            raise ValueError(f"micro_batch must be an integer >= 1, got {mb!r}")
+        gb, ga = self.global_batch, self.grad_accum
+        if ga is not None and (not isinstance(ga, int) or ga < 1):
+            raise ValueError(f"grad_accum must be an integer >= 1, got {ga!r}")
+        if gb is not None and (not isinstance(gb, int) or gb < 1):
+            raise ValueError(f"global_batch must be an integer >= 1, got {gb!r}")
+        if gb is None:
+            ga = ga or 1
+            gb = mb * ga
+        elif ga is None:
+            if gb % mb:
+                raise ValueError(f"global_batch ({gb}) must be a multiple of micro_batch ({mb})")
+            ga = gb // mb
+        elif gb != mb * ga:
+            raise ValueError(f"global_batch ({gb}) must equal micro_batch ({mb}) * grad_accum ({ga})")
+        self.global_batch, self.grad_accum = gb, ga
+
+    def validate(self) -> "TrainConfig":
+        """Check every field; raises ValueError saying what was wrong and what is accepted."""
+        from .hf import MODEL_PRESETS
+        from .policy import BackwardPolicy
+
+        if self.model not in MODEL_PRESETS:
+            raise ValueError(f"unknown model preset {self.model!r}; accepted: {sorted(MODEL_PRESETS)}")
+        self._resolve_batch()
+
+        def positive_int(name, minimum=1):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+                raise ValueError(f"{name} must be an integer >= {minimum}, got {v!r}")
+
+        positive_int("seq_len", 2)
+        positive_int("steps")
+        for name in ("warmup_steps", "eval_interval", "checkpoint_interval", "seed", "data_seed"):
+            positive_int(name, 0)
+        positive_int("log_interval")
+        if self.warmup_steps > self.steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be <= steps ({self.steps})")
+        if not (isinstance(self.lr, (int, float)) and self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+        if self.clip < 0:
+            raise ValueError(f"clip must be >= 0 (0 turns clipping off), got {self.clip!r}")
+        for b in ("beta1", "beta2"):
+            if not 0 <= getattr(self, b) < 1:
+                raise ValueError(f"{b} must be in [0, 1), got {getattr(self, b)!r}")
+        if not 0 <= self.heldout_fraction < 1:
+            raise ValueError(f"heldout_fraction must be in [0, 1), got {self.heldout_fraction!r}")
+        if self.max_records is not None and self.max_records < 1:
+            raise ValueError(f"max_records must be >= 1 or None, got {self.max_records!r}")
+        if self.eval_batches is not None and self.eval_batches < 1:
+            raise ValueError(f"eval_batches must be >= 1 or None, got {self.eval_batches!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1 or None, got {self.threads!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; accepted: {list(DTYPES)}")
+        if self.device != "auto":
+            try:
+                dev = torch.device(self.device)
+            except RuntimeError:
+                raise ValueError(f"unknown device {self.device!r}; accepted: auto, cpu, cuda, cuda:N") from None
+            if dev.type not in ("cpu", "cuda"):
+                raise ValueError(f"unsupported device {self.device!r}; accepted: auto, cpu, cuda, cuda:N")
+            if dev.type == "cuda" and not torch.cuda.is_available():
+                raise ValueError(f"device {self.device!r} requested but CUDA is not available")
+        if not isinstance(self.sample_layers, list) or not all(isinstance(i, int) for i in self.sample_layers):
+            raise ValueError(f"sample_layers must be a list of integers, got {self.sample_layers!r}")
+        if not isinstance(self.model_overrides, dict):
+            raise ValueError(f"model_overrides must be a dict, got {self.model_overrides!r}")
+        self.policy()  # validates drop_ratio, scorer, quota, mode, policy seed
+        return self
+
+    def policy(self):
+        from .policy import BackwardPolicy
+
+        seed = self.seed if self.policy_seed is None else self.policy_seed
+        return BackwardPolicy(drop_ratio=self.drop_ratio, scorer=self.scorer, quota=self.quota, mode=self.mode,
+                              seed=seed)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown TrainConfig fields {unknown}; accepted: {sorted(names)}")
+        return cls(**d)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec)
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Multiplier of ``cfg.lr`` for optimizer step ``step`` (0-based): linear warm-up, cosine decay."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    decay_steps = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class BatchStream:
+    """Deterministic infinite stream of training rows: epoch e visits the rows in the order of
+    ``randperm(N, seed=(seed, e))``; the state is the number of rows consumed so far."""
+
+    def __init__(self, n_rows: int, seed: int, position: int = 0):
+        if n_rows < 1:
+            raise ValueError("the training split has no rows")
+        self.n, self.seed, self.position = n_rows, seed, position
+        self._perm_epoch, self._perm = -1, None
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if epoch != self._perm_epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm, self._perm_epoch = torch.randperm(self.n, generator=g), epoch
+        return self._perm
+
+    def next(self, k: int) -> torch.Tensor:
+        rows = []
+        for _ in range(k):
+            epoch, i = divmod(self.position, self.n)
+            rows.append(int(self._order(epoch)[i]))
+            self.position += 1
+        return torch.tensor(rows)
+
+    @property
+    def epoch(self) -> float:
+        return self.position / self.n
+
+
+class MoETimer:
+    """Time spent inside the routed-experts modules (forward and backward), see the module docstring."""
+
+    def __init__(self, modules, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.enabled = False
+        self.fwd = self.bwd = 0.0
+        self._fwd_events, self._bwd_events = [], []
+        self._handles = []
+        for m in modules:
+            self._handles.append(m.register_forward_pre_hook(self._pre))
+            self._handles.append(m.register_forward_hook(self._post))
+        self._starts = []
+
+    def _mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def _pre(self, module, args):
+        if self.enabled:
+            self._starts.append(self._mark())
+
+    def _post(self, module, args, out):
+        if not self.enabled or not self._starts:
+            return
+        start, end = self._starts.pop(), self._mark()
+        self._add(self._fwd_events, "fwd", start, end)
+        y = out[0] if isinstance(out, (tuple, list)) else out
+        if not (isinstance(y, torch.Tensor) and y.grad_fn is not None):
+            return
+        outer = inner = y.grad_fn
+        # `.to(dtype)` after the experts function may add a copy node: time from the outer node's
+        # start to the experts node's end.
+        for _ in range(2):
+            if "SelectiveExperts" in type(inner).__name__ or not inner.next_functions:
+                break
+            inner = inner.next_functions[0][0] or inner
+        box = {}
+
+        def pre(grad_outputs):
+            box["t0"] = self._mark()
+
+        def post(grad_inputs, grad_outputs):
+            if "t0" in box:
+                self._add(self._bwd_events, "bwd", box.pop("t0"), self._mark())
+
+        outer.register_prehook(pre)
+        inner.register_hook(post)
+
+    def _add(self, events, kind, start, end):
+        if self.cuda:
+            events.append((start, end))
+        elif kind == "fwd":
+            self.fwd += end - start
+        else:
+            self.bwd += end - start
+
+    def collect(self) -> tuple[float, float]:
+        """(forward seconds, backward seconds) since the last call; synchronises CUDA."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.fwd = sum(a.elapsed_time(b) for a, b in self._fwd_events) / 1e3
+            self.bwd = sum(a.elapsed_time(b) for a, b in self._bwd_events) / 1e3
+            self._fwd_events, self._bwd_events = [], []
+        out = (self.fwd, self.bwd)
+        self.fwd = self.bwd = 0.0
+        self._starts = []
+        return out
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
+
+
+def _atomic_torch_save(obj, path: Path) -> None:
+    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _rng_state(policy, device) -> dict:
+    import numpy as np
+
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    gen = policy.generator(device)
+    if gen is not None:
+        state["policy"] = gen.get_state()
+    return state
+
+
+def _set_rng_state(state: dict, policy, device) -> None:
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "policy" in state:
+        policy.generator(device).set_state(state["policy"])
+
+
+def _environment(device: torch.device) -> dict:
+    from .bench.common import environment
+
+    env = environment(device)
+    env["cpu_count"] = os.cpu_count()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                env["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    for mod in ("numpy", "datasets", "tokenizers"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except ImportError:
+            pass
+    if device.type == "cuda":
+        env["cuda"] = torch.version.cuda
+        env["gpu_count"] = torch.cuda.device_count()
+    return env
+
+
+def hardware_label(env: dict) -> str:
+    """A short human description of the hardware of a run (for tables and figure captions)."""
+    if str(env.get("device", "cpu")).startswith("cuda"):
+        return f"1x {env.get('gpu', 'GPU')}"
+    cpu = env.get("cpu_model") or env.get("cpu") or "CPU"
+    return f"CPU, {env.get('threads', '?')} thread(s) ({cpu})"
+
+
+def load_data(cfg: TrainConfig):
+    """(train, heldout, stats) for ``cfg``, tokenised and packed once and cached under data/cache."""
+    from .data import load_prepared, prepare
+
+    path = prepare(cfg.data, cfg.tokenizer, cfg.seq_len, cfg.heldout_fraction, cfg.data_seed, cfg.max_records)
+    return load_prepared(path)
+
+
+def _param_groups(model, weight_decay: float):
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.dim() < 2 else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def run_status(out_dir) -> str | None:
+    """"done", "running" or None (no summary) for a run directory."""
+    s = _read_json(Path(out_dir) / "summary.json")
+    return s.get("status") if s else None
+
+
+def _comparable(d: dict) -> dict:
+    return {k: v for k, v in d.items() if k not in _RUNTIME_FIELDS}
+
+
+def read_metrics(path) -> list[dict]:
+    """The per-step records of a metrics.jsonl (a torn last line is ignored)."""
+    out = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    break
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    keep = [r for r in read_metrics(path) if r.get("step", 0) <= last_step]
+    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@torch.no_grad()
+def evaluate(model, heldout, cfg: TrainConfig, device, autocast) -> dict:
+    """Mean response-token cross-entropy and perplexity on the held-out split."""
+    n = len(heldout)
+    if n == 0:
+        return {}
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    starts = list(range(0, n, cfg.micro_batch))
+    if cfg.eval_batches is not None:
+        starts = starts[: cfg.eval_batches]
+    for s in starts:
+        idx = torch.arange(s, min(n, s + cfg.micro_batch))
+        batch = {k: heldout.tensors[k][idx].to(device) for k in ("input_ids", "labels", "position_ids")}
+        with autocast():
+            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        loss_sum, tokens = _token_loss(logits, batch["labels"])
+        total += float(loss_sum)
+        count += tokens
+    model.train(was_training)
+    if count == 0:
+        return {}
+    loss = total / count
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_tokens": count}
+
+
+def _token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Summed next-token cross-entropy over labelled positions (labels are aligned with inputs)."""
+    from .data import IGNORE_INDEX
+
+    shift_logits = logits[:, :-1].float()
+    shift_labels = labels[:, 1:]
+    loss_sum = torch.nn.functional.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]),
+                                                 shift_labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                                                 reduction="sum")
+    return loss_sum, int((shift_labels != IGNORE_INDEX).sum())
+
+
+def _label_tokens(labels: torch.Tensor) -> int:
+    from .data import IGNORE_INDEX
+
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def _summary_of_metrics(rows: list[dict], steps: int) -> dict:
+    if not rows:
+        return {}
+    last = rows[-1]
+    n_tail = max(1, math.ceil(0.1 * steps))
+    tail = [r["ppl"] for r in rows if r["step"] > steps - n_tail]
+    evals = [r for r in rows if "eval_loss" in r]
+    out = {"step": last["step"], "loss": last["loss"], "ppl": last["ppl"],
+           "mean_ppl_final_10pct": sum(tail) / len(tail) if tail else None,
+           "mean_ppl_all_steps": sum(r["ppl"] for r in rows) / len(rows),
+           "kept_fraction_mean": sum(r["kept_fraction"] for r in rows) / len(rows),
+           "nonfinite_total": sum(r.get("nonfinite", 0) for r in rows)}
+    if evals:
+        out.update(eval_loss=evals[-1]["eval_loss"], eval_ppl=evals[-1]["eval_ppl"], eval_step=evals[-1]["step"])
+    return out
+
+
+def train(cfg: TrainConfig, out_dir, progress: bool = True, stop_after: int | None = None) -> dict:
+    """Train (or resume) the run ``cfg`` in ``out_dir``; returns the summary dict.
+
+    ``stop_after``: stop (checkpoint, status "running") once this many optimizer steps are done,
+    to be resumed by a later call. A finished run (status "done") is returned as is.
+    """
+    from .bench.common import write_json
+    from . import hf
+
+    cfg.validate()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    summary_path, metrics_path, ckpt_path = out / "summary.json", out / "metrics.jsonl", out / "checkpoint.pt"
+    previous = _read_json(summary_path)
+    if previous is not None and _comparable(previous.get("config", {})) != _comparable(cfg.to_dict()):
+        raise ValueError(f"{out} holds a different run (its summary.json has another config); "
+                         "use a fresh output directory or delete that one")
+    if previous is not None and previous.get("status") == "done":
+        return previous
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = resolve_device(cfg.device)
+    use_bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
+
+    def autocast():
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
+
+    wall0 = time.perf_counter()
+    train_set, heldout, data_stats = load_data(cfg)
+    vocab = int(data_stats["vocab_size"])
+    overrides = {"vocab_size": vocab, **cfg.model_overrides}
+    policy = cfg.policy()
+    model = hf.build_model(cfg.model, policy=policy, seed=cfg.seed, **overrides).to(device)
+    model.train()
+    moe_modules = hf.experts_modules(model)
+    n_moe = len(moe_modules)
+    bad = [i for i in cfg.sample_layers if not -n_moe <= i < n_moe]
+    if bad:
+        raise ValueError(f"sample_layers {bad} out of range: the model has {n_moe} MoE layers "
+                         f"(accepted: {-n_moe}..{n_moe - 1})")
+    sampled = sorted({i % n_moe for i in cfg.sample_layers})
+
+    opt = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                            eps=cfg.eps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
+    stream = BatchStream(len(train_set), cfg.seed)
+    step = 0
+    timings = {"train_s": 0.0, "eval_s": 0.0, "moe_fwd_s": 0.0, "moe_bwd_s": 0.0, "checkpoint_s": 0.0}
+    resumed_from = []
+
+    if ckpt_path.exists():
+        ck = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        if _comparable(ck["config"]) != _comparable(cfg.to_dict()):
+            raise ValueError(f"{ckpt_path} was written by a different config; use a fresh output directory")
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        sched.load_state_dict(ck["scheduler"])
+        _set_rng_state(ck["rng"], policy, device)
+        stream.position = ck["data_position"]
+        step = ck["step"]
+        timings.update(ck.get("timings", {}))
+        resumed_from = ck.get("resumed_from", []) + [step]
+        _truncate_metrics(metrics_path, step)
+    else:
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        metrics_path.write_text("")
+
+    base = {"config": cfg.to_dict(), "seed": cfg.seed, "environment": _environment(device),
+            "data": {k: v for k, v in data_stats.items() if k != "config"},
+            "model": {"preset": cfg.model, "family": hf.MODEL_PRESETS[cfg.model].family,
+                      "parameters": sum(p.numel() for p in model.parameters()), "moe_layers": n_moe,
+                      "experts": int(moe_modules[0].gate_up_proj.shape[0]) if moe_modules else 0,
+                      "sampled_layers": sampled, "vocab_size": vocab, "overrides": overrides,
+                      "autocast_bf16": use_bf16},
+            "metrics_file": metrics_path.name, "resumed_from": resumed_from}
+
+    def write_summary(status: str):
+        rows = read_metrics(metrics_path)
+        s = dict(base, status=status, steps_done=step, final=_summary_of_metrics(rows, cfg.steps),
+                 timings=dict(timings, wall_s_this_process=time.perf_counter() - wall0))
+        write_json(summary_path, s)
+        return s
+
+    def checkpoint():
+        t0 = time.perf_counter()
+        _atomic_torch_save({"config": cfg.to_dict(), "step": step, "model": model.state_dict(),
+                            "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                            "rng": _rng_state(policy, device), "data_position": stream.position,
+                            "timings": timings, "resumed_from": resumed_from}, ckpt_path)
+        timings["checkpoint_s"] += time.perf_counter() - t0
+
+    write_summary("running")
+    timer = MoETimer(moe_modules, device)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=step, desc=out.name, unit="step", dynamic_ncols=True,
+                   disable=not progress)
+    try:
+        with open(metrics_path, "a") as mf:
+            while step < cfg.steps:
+                if stop_after is not None and step >= stop_after:
+                    break
+                t0 = time.perf_counter()
+                micro = [stream.next(cfg.micro_batch) for _ in range(cfg.grad_accum)]
+                batches = [{k: train_set.tensors[k][idx] for k in ("input_ids", "labels", "position_ids")}
+                           for idx in micro]
+                n_label = sum(_label_tokens(b["labels"]) for b in batches)
+                n_tokens = sum(int((train_set.tensors["doc_ids"][idx] >= 0).sum()) for idx in micro)
+                opt.zero_grad(set_to_none=True)
+                timer.enabled = True
+                loss_total = 0.0
+                kept = [[0, 0] for _ in range(n_moe)]
+                layer_stats = {i: None for i in sampled}
+                nonfinite = 0
+                for b in batches:
+                    b = {k: v.to(device, non_blocking=True) for k, v in b.items()}
+                    with autocast():
+                        logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"]).logits
+                    loss_sum, _ = _token_loss(logits, b["labels"])
+                    loss = loss_sum / max(1, n_label)
+                    loss.backward()
+                    loss_total += float(loss.detach())
+                    for li, rec in enumerate(hf.backward_records(model)):
+                        if rec is None or not rec.filled:
+                            continue
+                        kept[li][0] += int(rec.kept.sum())
+                        kept[li][1] += int(rec.demand.sum())
+                        nonfinite += rec.nonfinite
+                        if li in layer_stats:
+                            cur = {"demand": rec.demand.cpu(), "quota": rec.quota.cpu(), "kept": rec.kept.cpu()}
+                            prev = layer_stats[li]
+                            layer_stats[li] = cur if prev is None else {k: prev[k] + cur[k] for k in cur}
+                    del logits, loss, loss_sum
+                timer.enabled = False
+                params = [p for g in opt.param_groups for p in g["params"]]
+                if cfg.clip > 0:
+                    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.clip))
+                else:
+                    grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+                lr = opt.param_groups[0]["lr"]
+                opt.step()
+                sched.step()
+                fwd_s, bwd_s = timer.collect()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                dt = time.perf_counter() - t0
+                step += 1
+                timings["train_s"] += dt
+                timings["moe_fwd_s"] += fwd_s
+                timings["moe_bwd_s"] += bwd_s
+                fracs = [k / d for k, d in kept if d]
+                row = {"step": step, "epoch": stream.epoch, "loss": loss_total,
+                       "ppl": math.exp(min(loss_total, 700.0)), "lr": lr, "grad_norm": grad_norm,
+                       "tokens": n_tokens, "label_tokens": n_label, "tokens_per_s": n_tokens / dt,
+                       "step_time_s": dt, "moe_fwd_s": fwd_s, "moe_bwd_s": bwd_s,
+                       "kept_fraction": sum(fracs) / len(fracs) if fracs else 1.0, "nonfinite": nonfinite,
+                       "layers": {str(i): {k: v.tolist() for k, v in s.items()}
+                                  for i, s in layer_stats.items() if s is not None}}
+                if (cfg.eval_interval and step % cfg.eval_interval == 0) or step == cfg.steps:
+                    te = time.perf_counter()
+                    row.update(evaluate(model, heldout, cfg, device, autocast))
+                    timings["eval_s"] += time.perf_counter() - te
+                row["elapsed_s"] = timings["train_s"] + timings["eval_s"]
+                mf.write(json.dumps(row) + "\n")
+                mf.flush()
+                if bar is not None:
+                    bar.update(1)
+                    if step % cfg.log_interval == 0 or step == cfg.steps:
+                        post = {"loss": f"{loss_total:.4f}", "kept": f"{row['kept_fraction']:.2f}",
+                                "tok/s": f"{row['tokens_per_s']:.0f}"}
+                        if "eval_loss" in row:
+                            post["eval"] = f"{row['eval_loss']:.4f}"
+                        bar.set_postfix(post)
+                if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 and step < cfg.steps:
+                    checkpoint()
+                    write_summary("running")
+    except KeyboardInterrupt:
+        checkpoint()
+        write_summary("running")
+        raise
+    finally:
+        timer.remove()
+        if bar is not None:
+            bar.close()
+    checkpoint()
+    return write_summary("done" if step >= cfg.steps else "running")
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def _parse_override(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    k, v = text.split("=", 1)
+    try:
+        return k, json.loads(v)
+    except json.JSONDecodeError:
+        return k, v
+
+
+def _optional(kind):
+    def parse(text: str):
+        return None if text.lower() in ("none", "null", "") else kind(text)
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+_KINDS = {"int": int, "float": float, "str": str, "int | None": _optional(int), "str | None": _optional(str),
+          "float | None": _optional(float)}
+
+
+def add_config_arguments(p: argparse.ArgumentParser) -> None:
+    """One flag per TrainConfig field (``--micro-batch``, ``--drop-ratio``, ...); unset flags are None."""
+    defaults = TrainConfig()
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        help_ = TrainConfig._HELP.get(f.name, "") + f" (default: {getattr(defaults, f.name)})"
+        if f.name == "model_overrides":
+            p.add_argument("--model-override", dest="model_overrides", action="append", type=_parse_override,
+                           metavar="KEY=VALUE", help=TrainConfig._HELP[f.name])
+        elif f.name == "sample_layers":
+            p.add_argument(flag, type=int, nargs="+", default=None, help=help_)
+        else:
+            p.add_argument(flag, type=_KINDS[str(f.type)], default=None, help=help_)
+
+
+def config_from_args(args, base: dict | None = None) -> TrainConfig:
+    """A TrainConfig from dataclass defaults, then ``base``/``--config`` JSON, then the flags given."""
+    d = {}
+    if base:
+        d.update(base)
+    if getattr(args, "config", None):
+        d.update(json.loads(Path(args.config).read_text()))
+    given = {}
+    for f in dataclasses.fields(TrainConfig):
+        v = getattr(args, f.name, None)
+        if v is not None:
+            given[f.name] = dict(v) if f.name == "model_overrides" else v
+    # The batch flags given decide; what they leave open is re-derived (a global batch from the
+    # config is kept when only --micro-batch is given: accumulation adapts).
+    if "grad_accum" in given and "global_batch" not in given:
+        d.pop("global_batch", None)
+    elif {"micro_batch", "global_batch"} & set(given) and "grad_accum" not in given:
+        d.pop("grad_accum", None)
+    d.update(given)
+    return TrainConfig.from_dict(d)
+
+
+def register_cli(sub) -> None:
+    p = sub.add_parser("train", help="train one run (AdamW, cosine, accumulation, exact resume)",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="run directory (metrics.jsonl, summary.json, checkpoint.pt); "
+                                                "an existing run there is resumed")
+    p.add_argument("--config", default=None, help="JSON file of TrainConfig fields (flags override it)")
+    p.add_argument("--stop-after", type=int, default=None, help="stop after this many steps (resumable)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_config_arguments(p)
+    p.set_defaults(func=_cli)
+
+
+def _cli(args) -> int:
+    try:
+        cfg = config_from_args(args)
+        cfg.validate()
+    except ValueError as e:
+        print(f"lrmoe train: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(cfg.to_dict()), file=sys.stderr)
+    s = train(cfg, args.out, progress=not args.no_progress, stop_after=args.stop_after)
+    fin = s.get("final", {})
+    print(f"{args.out}: status {s['status']}, step {s.get('steps_done')}, loss {fin.get('loss')}, "
+          f"ppl {fin.get('ppl')}, eval_ppl {fin.get('eval_ppl')}")
+    return 0
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(prog="python -m lrmoe.train")
+    register_cli(ap.add_subparsers(dest="command", required=True))
+    a = ap.parse_args(["train", *sys.argv[1:]])
+    sys.exit(a.func(a))
