@@ -1,0 +1,382 @@
+"""Expert-parallel runtime on real gloo process groups (2 and 4 processes spawned here), float64.
+
+Each world size is spawned once (a module fixture) and runs every case; the ranks save their
+outputs, gradients and records, and the tests compare the assembled results here against
+* the single-process ``lrmoe_experts`` with the same weights (C0, every placement policy),
+* an independent per-pair emulation of the EP selection semantics (C20, forward drops).
+A separate spawn checks that configuration mismatches, out-of-memory plans and a missing peer
+raise clear exceptions on every rank instead of hanging (process-group timeouts).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+import traceback
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lrmoe import BackwardPolicy, lrmoe_experts
+from lrmoe.quota import quota_for, retained_total
+from oracle import expected_keep, moe_loop
+
+f64 = torch.float64
+H, I, E, K, HOT = 8, 4, 8, 2, 1
+PG_TIMEOUT_S = 30
+SPAWN_DEADLINE_S = 150
+
+# name, placement, planner options, slots beyond E/G (None: default), tokens per rank, drop, mode, warmup, check
+CASES = {
+    2: [
+        ("fixed-c0", "fixed", {}, None, [10, 7], 0.0, "compact", 0, "sp"),
+        ("symi-c0", "symi", {"capacity_factor": None}, None, [10, 7], 0.0, "compact", 1, "sp"),
+        ("ultraep-c0", "ultraep", {"min_tokens": 1}, None, [10, 7], 0.0, "compact", 0, "sp"),
+        ("ultraep_greedy-c0", "ultraep_greedy", {}, None, [10, 7], 0.0, "compact", 0, "sp"),
+        ("lrmoe-c0", "lrmoe", {}, None, [10, 7], 0.0, "compact", 0, "sp"),
+        ("ultraep-c0-noreplica", "ultraep", {"min_tokens": 1}, 0, [10, 7], 0.0, "compact", 0, "sp"),
+        ("fixed-c0-emptyrank", "fixed", {}, None, [12, 0], 0.0, "compact", 0, "sp"),
+        ("fixed-c0-split", "fixed", {}, None, [10, 7], 0.0, "compact", 0, "sp"),
+        ("lrmoe-c20", "lrmoe", {}, None, [10, 7], 0.2, "compact", 0, "emulate"),
+        ("lrmoe-c20-noreplica", "lrmoe", {}, 0, [10, 7], 0.2, "compact", 0, "emulate"),
+        ("lrmoe-c20-mask", "lrmoe", {}, None, [10, 7], 0.2, "mask", 0, "emulate"),
+        ("lrmoe-c20-emptyrank", "lrmoe", {}, None, [0, 14], 0.2, "compact", 0, "emulate"),
+        ("fixed-c20", "fixed", {}, None, [10, 7], 0.2, "compact", 0, "emulate"),
+        ("symi-cf1-drops", "symi", {"capacity_factor": 1.0}, None, [10, 7], 0.0, "compact", 1, "emulate"),
+    ],
+    4: [
+        ("fixed-c0", "fixed", {}, None, [6, 4, 9, 5], 0.0, "compact", 0, "sp"),
+        ("symi-c0", "symi", {"capacity_factor": None}, None, [6, 4, 9, 5], 0.0, "compact", 1, "sp"),
+        ("ultraep-c0", "ultraep", {"min_tokens": 1}, None, [6, 4, 9, 5], 0.0, "compact", 0, "sp"),
+        ("ultraep_greedy-c0", "ultraep_greedy", {}, None, [6, 4, 9, 5], 0.0, "compact", 0, "sp"),
+        ("lrmoe-c0", "lrmoe", {}, None, [6, 4, 9, 5], 0.0, "compact", 0, "sp"),
+        ("lrmoe-c0-emptyrank", "lrmoe", {}, None, [6, 0, 9, 5], 0.0, "compact", 0, "sp"),
+        ("lrmoe-c20", "lrmoe", {}, None, [6, 4, 9, 5], 0.2, "compact", 0, "emulate"),
+        ("lrmoe-c20-noreplica", "lrmoe", {}, 0, [6, 0, 9, 5], 0.2, "compact", 0, "emulate"),
+        ("symi-cf1-drops", "symi", {"capacity_factor": 1.0}, None, [6, 4, 9, 5], 0.0, "compact", 1, "emulate"),
+    ],
+}
+REPLICATING = ("symi-c0", "ultraep-c0", "ultraep_greedy-c0", "lrmoe-c0", "lrmoe-c20")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_data(tokens, seed):
+    """Full data of every rank (all ranks build the same): skewed routing, expert HOT takes half the pairs."""
+    T = sum(tokens)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, dtype=f64, generator=g)
+    others = torch.tensor([e for e in range(E) if e != HOT])
+    idx = torch.stack([torch.full((T,), HOT), others[torch.randint(0, E - 1, (T,), generator=g)]], 1)
+    w = torch.rand(T, K, dtype=f64, generator=g) + 0.1
+    gu = torch.randn(E, 2 * I, H, dtype=f64, generator=g) / H**0.5
+    dn = torch.randn(E, H, I, dtype=f64, generator=g) / I**0.5
+    dy = torch.randn(T, H, dtype=f64, generator=g)
+    return x, idx, w, gu, dn, dy
+
+
+def bounds(tokens):
+    off = np.cumsum([0] + list(tokens))
+    return [(int(off[r]), int(off[r + 1])) for r in range(len(tokens))]
+
+
+def plan_arrays(plan):
+    if isinstance(plan, list):
+        return [plan_arrays(p) for p in plan]
+    return {"send": plan.send_GN, "quota": plan.backward_quota_GN, "expert": plan.expert_N, "rank": plan.rank_N,
+            "replica": plan.is_replica_N, "dropped": plan.dropped_GE, "fallback": plan.fallback}
+
+
+# ----------------------------------------------------------------------------- worker side
+def run_case(case, rank, G, seed):
+    from lrmoe.parallel.runtime import ExpertParallel, ExpertParallelExperts
+
+    name, placement, options, extra, tokens, drop, mode, warmup, _ = case
+    x, idx, w, gu, dn, dy = make_data(tokens, seed)
+    lo, hi = bounds(tokens)[rank]
+    El = E // G
+    budget = float("inf")
+    if name.endswith("split"):  # a budget between the piece of 2 and the whole step: split_microbatch
+        from lrmoe.parallel import plan_placement
+
+        ep0 = ExpertParallel(E, None, placement, **options)
+        demand = np.stack([np.bincount(idx[a:b].reshape(-1).numpy(), minlength=E) for a, b in bounds(tokens)])
+        mem = plan_placement(placement, demand, ep0.cluster, ep0.dims(H, I, K, 8), float("inf")).memory
+        budget = float(mem.base_G.max() + 0.6 * mem.tokens_G.max())
+    ep = ExpertParallel(E, None, placement, budget_bytes=budget,
+                        slots_per_rank=None if extra is None else El + extra, **options)
+    module = ExpertParallelExperts.from_full(gu, dn, ep, BackwardPolicy(drop_ratio=drop, mode=mode))
+    for _ in range(warmup):  # stateful policies (SYMI) plan from the previous step
+        with torch.no_grad():
+            module(x[lo:hi], idx[lo:hi], w[lo:hi])
+    xl, wl = x[lo:hi].clone().requires_grad_(), w[lo:hi].clone().requires_grad_()
+    y = module(xl, idx[lo:hi], wl)
+    y.backward(dy[lo:hi])
+    rec = module.last_backward
+    return {"y": y.detach(), "gx": xl.grad, "gw": wl.grad, "ggu": module.gate_up_proj.grad,
+            "gdn": module.down_proj.grad, "kept_mask": rec.kept_mask, "scores": rec.scores, "kept": rec.kept,
+            "quota": rec.quota, "demand": rec.demand, "comm": rec.comm_bytes, "plan": plan_arrays(rec.plan)}
+
+
+def worker(rank, G, port, out_dir, cases, seed):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=G,
+                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    try:
+        for case in cases:
+            try:
+                res = run_case(case, rank, G, seed)
+            except Exception:
+                res = {"error": traceback.format_exc()}
+            torch.save(res, os.path.join(out_dir, f"{case[0]}.rank{rank}.pt"))
+            if "error" in res:
+                raise RuntimeError(f"case {case[0]} failed on rank {rank}:\n{res['error']}")
+    finally:
+        dist.destroy_process_group()
+
+
+def error_worker(rank, G, port, out_dir):
+    """Three failures that must raise on the ranks involved, never hang."""
+    from lrmoe.parallel.runtime import (EPCommunicationError, EPOutOfMemoryError, ExpertParallel,
+                                        ExpertParallelExperts)
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=G,
+                            timeout=datetime.timedelta(seconds=3))
+    x, idx, w, gu, dn, dy = make_data([6, 6], 0)
+    lo, hi = bounds([6, 6])[rank]
+    out = {}
+    # 1. top_k differs between ranks -> ValueError on both (after one all_gather, no hang).
+    m = ExpertParallelExperts.from_full(gu, dn, ExpertParallel(E, None, "fixed"))
+    k = 2 if rank == 0 else 1
+    try:
+        m(x[lo:hi], idx[lo:hi, :k], w[lo:hi, :k])
+        out["mismatch"] = "no error"
+    except ValueError as e:
+        out["mismatch"] = f"ValueError: {e}"
+    # 2. a plan over budget with fallback 'oom' -> EPOutOfMemoryError on both.
+    m = ExpertParallelExperts.from_full(gu, dn, ExpertParallel(E, None, "fixed", budget_bytes=1000, fallback="oom"))
+    try:
+        m(x[lo:hi], idx[lo:hi], w[lo:hi])
+        out["oom"] = "no error"
+    except EPOutOfMemoryError as e:
+        out["oom"] = f"EPOutOfMemoryError: {e}"
+    # 3. rank 1 never calls the layer: rank 0 must get EPCommunicationError within the PG timeout.
+    m = ExpertParallelExperts.from_full(gu, dn, ExpertParallel(E, None, "fixed"))
+    if rank == 0:
+        t0 = time.perf_counter()
+        try:
+            m(x[lo:hi], idx[lo:hi], w[lo:hi])
+            out["missing_peer"] = "no error"
+        except EPCommunicationError as e:
+            out["missing_peer"] = f"EPCommunicationError: {e}"
+        out["missing_peer_s"] = time.perf_counter() - t0
+    else:
+        time.sleep(5)
+    torch.save(out, os.path.join(out_dir, f"errors.rank{rank}.pt"))
+    os._exit(0)  # the group is broken on purpose: skip the teardown
+
+
+def spawn(fn, G, *args, deadline_s=SPAWN_DEADLINE_S):
+    ctx = mp.start_processes(fn, args=(G, free_port(), *args), nprocs=G, join=False, start_method="spawn")
+    t0 = time.perf_counter()
+    while not ctx.join(timeout=1):
+        if time.perf_counter() - t0 > deadline_s:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            pytest.fail(f"spawned group of {G} did not finish within {deadline_s} s (hang)")
+
+
+# ----------------------------------------------------------------------------- test side
+SEED = 1234
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = {}
+    for G, cases in CASES.items():
+        d = tmp_path_factory.mktemp(f"ep{G}")
+        t0 = time.perf_counter()
+        spawn(worker, G, str(d), cases, SEED)
+        out[G] = (d, time.perf_counter() - t0)
+    return out
+
+
+def load(results, G, name):
+    d = results[G][0]
+    ranks = [torch.load(d / f"{name}.rank{r}.pt", weights_only=False) for r in range(G)]
+    for r, res in enumerate(ranks):
+        assert "error" not in res, f"rank {r}: {res['error']}"
+    return ranks
+
+
+def assemble(ranks):
+    cat = lambda k: torch.cat([r[k] for r in ranks])  # noqa: E731
+    return {k: cat(k) for k in ("y", "gx", "gw", "ggu", "gdn", "kept_mask")}
+
+
+def assert_close(a, b, what):
+    torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=lambda m: f"{what}: {m}")
+
+
+def case_of(G, name):
+    return next(c for c in CASES[G] if c[0] == name)
+
+
+def single_process(case):
+    x, idx, w, gu, dn, dy = make_data(case[4], SEED)
+    leaves = [t.clone().requires_grad_() for t in (x, w, gu, dn)]
+    y = lrmoe_experts(leaves[0], idx, leaves[1], leaves[2], leaves[3], BackwardPolicy(drop_ratio=0.0))
+    y.backward(dy)
+    return {"y": y.detach(), "gx": leaves[0].grad, "gw": leaves[1].grad, "ggu": leaves[2].grad, "gdn": leaves[3].grad}
+
+
+def emulate_buckets(idx, tokens, plan):
+    """Independent per-pair emulation of the EP assignment: on source s, expert e's pairs in pair
+    order fill e's instances in instance order (send[s, i] each); the rest are dropped.
+    Returns the bucket (instance, or -1 for dropped) of every pair [T*K]."""
+    bucket = []
+    for s, (a, b) in enumerate(bounds(tokens)):
+        flat = idx[a:b].reshape(-1).tolist()
+        used = {}
+        for e in flat:
+            j = used.get(e, 0)
+            used[e] = j + 1
+            inst, acc = -1, 0
+            for i in np.flatnonzero(plan["expert"] == e):
+                acc += int(plan["send"][s, i])
+                if j < acc:
+                    inst = int(i)
+                    break
+            bucket.append(inst)
+    return bucket
+
+
+def emulate(case, plan):
+    """The EP layer's semantics computed per pair: dropped pairs contribute nothing; in every
+    (source, instance) bucket the quota best pairs by alpha^2 ||g||^2 ||h||^2 keep their
+    expert gradient (ties: lower pair index)."""
+    x, idx, w, gu, dn, dy = make_data(case[4], SEED)
+    T = x.shape[0]
+    bucket = emulate_buckets(idx, case[4], plan)
+    live = torch.tensor([b >= 0 for b in bucket]).view(T, K)
+    _, h2 = moe_loop(x, idx, w, gu, dn)
+    scores = (w**2 * (dy**2).sum(1, keepdim=True) * h2).reshape(-1).tolist()
+    keep = torch.zeros(T * K, dtype=torch.bool)
+    src = [s for s, (a, b) in enumerate(bounds(case[4])) for _ in range((b - a) * K)]
+    for s in range(len(case[4])):
+        for i in range(len(plan["expert"])):
+            members = [u for u in range(T * K) if src[u] == s and bucket[u] == i]
+            members.sort(key=lambda u: (-scores[u], u))
+            keep[members[:int(plan["quota"][s, i])]] = True
+    keep = keep.view(T, K)
+    leaves = [t.clone().requires_grad_() for t in (x, w, gu, dn)]
+    y, _ = moe_loop(leaves[0], idx, leaves[1] * live, leaves[2], leaves[3], keep)
+    y.backward(dy)
+    ref = {"y": y.detach(), "gx": leaves[0].grad, "gw": leaves[1].grad, "ggu": leaves[2].grad, "gdn": leaves[3].grad,
+           "kept_mask": keep}
+    return ref, torch.tensor(scores, dtype=f64).view(T, K), live
+
+
+def remote_rows(plan, counts):
+    """Rows that cross the network: sum over (source s, instance i on another rank) of counts[s, i]."""
+    G = counts.shape[0]
+    return int(sum(counts[s, i] for s in range(G) for i in range(counts.shape[1]) if plan["rank"][i] != s))
+
+
+ALL = [(G, c[0]) for G, cs in CASES.items() for c in cs]
+
+
+@pytest.mark.parametrize("G,name", ALL, ids=[f"G{G}-{n}" for G, n in ALL])
+def test_ep_layer(results, G, name):
+    case = case_of(G, name)
+    ranks = load(results, G, name)
+    ep = assemble(ranks)
+    plan = ranks[0]["plan"]
+    if case[-1] == "sp":
+        ref = single_process(case)
+        for k in ("y", "gx", "gw", "ggu", "gdn"):
+            assert_close(ep[k], ref[k], f"{name} (G={G}) {k} vs single process")
+        assert bool(ep["kept_mask"].all()), "C0 keeps every pair"
+    else:
+        ref, scores, live = emulate(case, plan)
+        assert torch.equal(ep["kept_mask"], ref["kept_mask"]), "kept set differs from the emulated EP selection"
+        for k in ("y", "gx", "gw", "ggu", "gdn"):
+            assert_close(ep[k], ref[k], f"{name} (G={G}) {k} vs emulation")
+        if case[5] > 0:
+            torch.testing.assert_close(torch.cat([r["scores"] for r in ranks]).double(), scores, rtol=1e-5, atol=0)
+            # The global per-expert quota is exactly the single-process one (same quota policy).
+            x, idx, *_ = make_data(case[4], SEED)
+            d_E = torch.bincount(idx.reshape(-1), minlength=E)
+            q_E = quota_for(d_E, retained_total(int(d_E.sum()), case[5]), "waterfill")
+            assert torch.equal(sum(r["kept"] for r in ranks), q_E)
+            assert torch.equal(sum(r["quota"] for r in ranks), q_E)
+        if "drops" in name:
+            assert not bool(live.all()), "this case is meant to drop pairs over capacity"
+    # Communication: only computed (forward) and kept (backward) rows cross the network.
+    plans = plan if isinstance(plan, list) else [plan]
+    fwd = sum(remote_rows(p, p["send"]) for p in plans)
+    comm = {k: sum(r["comm"].get(k, 0) for r in ranks) for k in ranks[0]["comm"]}
+    assert comm["fwd_dispatch"] == comm["fwd_combine"] == fwd * H * 8
+    if case[6] == "compact":
+        kept = sum(remote_rows(p, p["quota"]) for p in plans)
+        assert comm["bwd_grad_rows"] == comm["bwd_dx"] == kept * H * 8
+    else:  # mask mode sends every computed row
+        assert comm["bwd_grad_rows"] == fwd * H * 8
+    if name in REPLICATING:
+        assert plan["replica"].any() and comm["fwd_weights"] > 0 and comm["bwd_weight_grads"] > 0, \
+            "this case is meant to exercise replicas"
+    if "noreplica" in name:
+        assert not plan["replica"].any() and "fwd_weights" not in comm
+    if name.endswith("split"):
+        assert isinstance(plan, list) and len(plan) >= 2
+
+
+def test_kept_set_distance(results):
+    """How far the EP kept set is from the single-process per-expert top-quota set (reported; the
+    per-expert counts are equal by construction)."""
+    for G in CASES:
+        case = case_of(G, "lrmoe-c20")
+        ranks = load(results, G, "lrmoe-c20")
+        scores = torch.cat([r["scores"] for r in ranks])
+        x, idx, *_ = make_data(case[4], SEED)
+        d_E = torch.bincount(idx.reshape(-1), minlength=E)
+        q_E = quota_for(d_E, retained_total(int(d_E.sum()), 0.2), "waterfill")
+        sp = expected_keep(scores, idx, q_E)
+        ep = torch.cat([r["kept_mask"] for r in ranks])
+        overlap = int((sp & ep).sum()) / int(q_E.sum())
+        mass = float(scores[ep].sum() / scores[sp].sum())
+        print(f"G={G}: |EP kept ∩ top-quota| / n_keep = {overlap:.3f}, score mass ratio = {mass:.4f}")
+        assert 0.5 <= overlap <= 1.0 and 0.0 < mass <= 1.0 + 1e-6
+
+
+def test_failures_raise_not_hang(tmp_path):
+    t0 = time.perf_counter()
+    spawn(error_worker, 2, str(tmp_path), deadline_s=60)
+    r0 = torch.load(tmp_path / "errors.rank0.pt")
+    r1 = torch.load(tmp_path / "errors.rank1.pt")
+    for r in (r0, r1):
+        assert r["mismatch"].startswith("ValueError") and "top_k: rank 0 has 2, rank 1 has 1" in r["mismatch"]
+        assert r["oom"].startswith("EPOutOfMemoryError") and "budget" in r["oom"]
+    assert r0["missing_peer"].startswith("EPCommunicationError"), r0["missing_peer"]
+    assert "all_gather (demand)" in r0["missing_peer"] and "rank 0 of 2" in r0["missing_peer"]
+    assert r0["missing_peer_s"] < 4.5
+    assert time.perf_counter() - t0 < 60
+
+
+def test_needs_initialised_process_group():
+    from lrmoe.parallel.runtime import ExpertParallel
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with pytest.raises(RuntimeError, match="not initialised"):
+        ExpertParallel(8)
