@@ -47,6 +47,7 @@ CASES = {
         ("lrmoe-c20-emptyrank", "lrmoe", {}, None, [0, 14], 0.2, "compact", 0, "emulate"),
         ("fixed-c20", "fixed", {}, None, [10, 7], 0.2, "compact", 0, "emulate"),
         ("symi-cf1-drops", "symi", {"capacity_factor": 1.0}, None, [10, 7], 0.0, "compact", 1, "emulate"),
+        ("hf",) + (None,) * 8,
     ],
     4: [
         ("fixed-c0", "fixed", {}, None, [6, 4, 9, 5], 0.0, "compact", 0, "sp"),
@@ -126,6 +127,36 @@ def run_case(case, rank, G, seed):
             "quota": rec.quota, "demand": rec.demand, "comm": rec.comm_bytes, "plan": plan_arrays(rec.plan)}
 
 
+HF_VOCAB, HF_SEQS, HF_LEN = 61, 4, 10
+
+
+def run_hf_case(rank, G):
+    """A Qwen3-MoE model with its experts parallelized (lrmoe placement, replicas) against the same
+    model in one process: loss, every gradient after the data-parallel sync, the global gradient
+    norm and the gathered state dict."""
+    import lrmoe.hf as hf
+    from lrmoe.parallel import hf as ep_hf
+
+    ids = torch.randint(0, HF_VOCAB, (HF_SEQS, HF_LEN), generator=torch.Generator().manual_seed(7))
+    ref = hf.build_model("qwen3-moe-tiny", vocab_size=HF_VOCAB, seed=5, dtype=f64)
+    ref(input_ids=ids, labels=ids).loss.backward()
+    model = hf.build_model("qwen3-moe-tiny", vocab_size=HF_VOCAB, seed=5, dtype=f64)
+    eps = ep_hf.parallelize_experts(model, None, "lrmoe", policy=BackwardPolicy(0.0))
+    full = ep_hf.full_state_dict(model)
+    same_state = all(torch.equal(full[k], v) for k, v in ref.state_dict().items())
+    per = HF_SEQS // G
+    mine = ids[rank * per:(rank + 1) * per]
+    model(input_ids=mine, labels=mine).loss.backward()
+    ep_hf.finish_grad_sync(model)
+    norm = ep_hf.clip_grad_norm_(model, 1e9)
+    ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+    recs = hf.backward_records(model)
+    return {"grads": {n: p.grad for n, p in model.named_parameters()},
+            "ref_grads": {n: p.grad for n, p in ref.named_parameters()}, "norm": norm, "ref_norm": ref_norm,
+            "same_state": same_state, "records": [r is not None and r.filled for r in recs],
+            "replicas": [bool(ep.last_plan.is_replica_N.any()) for ep in eps]}
+
+
 def worker(rank, G, port, out_dir, cases, seed):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=G,
@@ -133,7 +164,7 @@ def worker(rank, G, port, out_dir, cases, seed):
     try:
         for case in cases:
             try:
-                res = run_case(case, rank, G, seed)
+                res = run_hf_case(rank, G) if case[0] == "hf" else run_case(case, rank, G, seed)
             except Exception:
                 res = {"error": traceback.format_exc()}
             torch.save(res, os.path.join(out_dir, f"{case[0]}.rank{rank}.pt"))
@@ -293,7 +324,7 @@ def remote_rows(plan, counts):
     return int(sum(counts[s, i] for s in range(G) for i in range(counts.shape[1]) if plan["rank"][i] != s))
 
 
-ALL = [(G, c[0]) for G, cs in CASES.items() for c in cs]
+ALL = [(G, c[0]) for G, cs in CASES.items() for c in cs if c[0] != "hf"]
 
 
 @pytest.mark.parametrize("G,name", ALL, ids=[f"G{G}-{n}" for G, n in ALL])
@@ -339,6 +370,21 @@ def test_ep_layer(results, G, name):
         assert not plan["replica"].any() and "fwd_weights" not in comm
     if name.endswith("split"):
         assert isinstance(plan, list) and len(plan) >= 2
+
+
+def test_transformers_model_with_parallel_experts(results):
+    G = 2
+    ranks = load(results, G, "hf")
+    for r, res in enumerate(ranks):
+        assert res["same_state"], "full_state_dict must give back the unsharded weights"
+        assert all(res["records"]), "every MoE layer fills its backward record"
+        torch.testing.assert_close(res["norm"].double(), res["ref_norm"].double(), rtol=1e-9, atol=0)
+        for n, g in res["grads"].items():
+            ref = res["ref_grads"][n]
+            if g.shape != ref.shape:  # a sharded expert weight: this rank's block
+                ref = ref.view(G, -1, *ref.shape[1:])[r]
+            assert_close(g, ref, f"rank {r} grad of {n}")
+    assert any(ranks[0]["replicas"]), "the lrmoe placement is meant to add replicas here"
 
 
 def test_kept_set_distance(results):

@@ -10,3 +10,18 @@ from .plan import (Cluster, Instance, ModelDims, Plan, get_placement, placement_
 
 __all__ = ["Cluster", "Instance", "MemoryBreakdown", "ModelDims", "Plan", "get_placement", "placement_policies",
            "plan_placement", "register_placement"]
+
+# The torch.distributed runtime (lrmoe.parallel.runtime, .hf, .launch; docs/expert_parallel.md),
+# imported on first use so that the planners stay importable on their own.
+_LAZY = {"ExpertParallel": "runtime", "ExpertParallelExperts": "runtime", "ep_experts": "runtime",
+         "EPCommunicationError": "runtime", "EPOutOfMemoryError": "runtime", "finish_grad_sync": "runtime",
+         "parallelize_experts": "hf", "init_distributed": "launch"}
+__all__ += sorted(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
