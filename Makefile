@@ -6,7 +6,10 @@ VPY := $(VENV)/bin/python
 # with an NVIDIA GPU, let pip resolve torch>=2.11 normally.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: venv test bench clean
+.PHONY: venv test bench reproduce clean
+
+# `make reproduce` runs the cpu preset (<= 30 min on 2 cores); `make reproduce PRESET=smoke` the CI one.
+PRESET ?= cpu
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -22,6 +25,9 @@ test: venv
 
 bench: venv
 	OMP_NUM_THREADS=2 $(VENV)/bin/lrmoe bench layer --threads 2 --out results/bench
+
+reproduce: venv
+	$(VENV)/bin/lrmoe reproduce --preset $(PRESET)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

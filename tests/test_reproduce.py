@@ -1,0 +1,122 @@
+"""`lrmoe reproduce`: presets as data, the smoke preset end to end, resume/skip, tables and figures."""
+import json
+import re
+import shutil
+
+import pytest
+
+from lrmoe.data import shared_data_dir
+from lrmoe.reproduce import PRESETS, plan, reproduce
+
+TINY = shared_data_dir() / "alpaca" / "alpaca_tiny.json"
+TABLES = ["tables/T1_convergence.md", "tables/T1_convergence.tex", "tables/T2_scorer_ablation.md",
+          "tables/T2_scorer_ablation.tex"]
+FIGURES = ["figures/F1_expert_loads.png", "figures/F1_expert_loads.pdf", "figures/F2_loss_curves.png",
+           "figures/F2_loss_curves.pdf"]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    if not TINY.exists():
+        pytest.skip(f"offline Alpaca sample not found at {TINY} (set LRMOE_SHARED_DATA to the shared/data folder)")
+    base = tmp_path_factory.mktemp("smoke")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HOME", str(base / "hf"))
+        mp.setenv("LRMOE_CACHE", str(base / "cache"))
+        mp.delenv("HF_DATASETS_CACHE", raising=False)
+        mp.delenv("LRMOE_ALPACA", raising=False)
+        out = base / "results"
+        assert reproduce("smoke", out, progress=False) == 0
+        yield out
+
+
+def test_presets_are_data():
+    cpu = PRESETS["cpu"].runs()
+    names = [r.name for r in cpu]
+    assert len(names) == len(set(names)) == 34
+    for fam in ("qwen3", "glm4"):
+        e1 = [r for r in cpu if r.family == fam and "E1" in r.experiments]
+        assert sorted(r.config["drop_ratio"] for r in e1) == [0.0, 0.1, 0.2, 0.3]
+        e2 = [r for r in cpu if r.family == fam and "E2" in r.experiments and r.config["drop_ratio"] == 0.2]
+        assert {r.config["scorer"] for r in e2} == {"lrm", "grad_norm", "abs_grad", "random"}
+        assert {r.config["seed"] for r in e2} == {0, 1, 2}
+        assert {r.config["seed"] for r in cpu if r.family == fam and r.config["drop_ratio"] == 0} == {0, 1, 2}
+    assert "E1" in next(r for r in cpu if r.name == "qwen3-C20-lrm-s0").experiments
+    assert "E2" in next(r for r in cpu if r.name == "qwen3-C20-lrm-s0").experiments
+    for p in PRESETS.values():
+        for r in p.runs():
+            r.train_config().validate() if p.base.get("device") == "cpu" else r.train_config()
+    gpu = PRESETS["gpu1"].runs()[0].config
+    assert gpu["model"] == "qwen3-30b-a3b" and gpu["seq_len"] == 8192 and gpu["model_overrides"]
+
+
+def test_smoke_end_to_end(smoke):
+    for f in TABLES + FIGURES + ["report.md", "manifest.json", "reproduce.json"]:
+        assert (smoke / f).is_file() and (smoke / f).stat().st_size > 0, f
+    runs = json.loads((smoke / "manifest.json").read_text())["runs"]
+    for r in runs:
+        s = json.loads((smoke / r["name"] / "summary.json").read_text())
+        assert s["status"] == "done" and (smoke / r["name"] / "metrics.jsonl").exists()
+    t1 = (smoke / "tables/T1_convergence.md").read_text()
+    assert "1.015190" in t1 and "1.016270" in t1  # paper
+    assert "not run" not in t1 and "preset `smoke`" in t1 and "measured" in t1.lower()
+    measured = [line for line in t1.splitlines() if line.startswith("| Qwen3-MoE") and "| C20 |" in line]
+    assert measured and re.search(r"\| \d+\.\d{6} \|", measured[0])
+    t2 = (smoke / "tables/T2_scorer_ablation.md").read_text()
+    for v in ("0.012474", "0.775797", "0.003464", "0.079282"):
+        assert v in t2
+    assert "not run" not in t2 and "(n=2)" in t2
+    assert r"\begin{tabular}" in (smoke / "tables/T2_scorer_ablation.tex").read_text()
+    report = (smoke / "report.md").read_text()
+    for key in ("T3", "T4", "T5", "F3", "F4"):
+        assert re.search(rf"## {key}:.*\n\nNot yet produced", report), key
+    assert (smoke / "figures/F1_expert_loads.png").read_bytes()[:4] == b"\x89PNG"
+    assert (smoke / "figures/F2_loss_curves.pdf").read_bytes()[:4] == b"%PDF"
+
+
+def test_second_call_skips_finished_runs(smoke, capsys):
+    before = {p: p.stat().st_mtime_ns for p in smoke.glob("*/metrics.jsonl")}
+    assert reproduce("smoke", smoke, figures=False, progress=False) == 0
+    assert json.loads((smoke / "reproduce.json").read_text())["ran_now"] == 0
+    assert {p: p.stat().st_mtime_ns for p in smoke.glob("*/metrics.jsonl")} == before
+    assert "0 to run" in capsys.readouterr().err
+
+
+def test_missing_runs_say_not_run(smoke, tmp_path):
+    from paper_figures import make_all
+
+    partial = tmp_path / "partial"
+    shutil.copytree(smoke, partial, ignore=shutil.ignore_patterns("checkpoint.pt", "tables", "figures"))
+    shutil.rmtree(partial / "glm4-C30-lrm-s0")
+    shutil.rmtree(partial / "qwen3-C20-random-s0")
+    shutil.rmtree(partial / "qwen3-C20-random-s1")
+    make_all(partial, partial)
+    t1 = (partial / "tables/T1_convergence.md").read_text()
+    glm_c30 = next(line for line in t1.splitlines() if "glm4" in line and "| C30 |" in line)
+    assert glm_c30.count("not run") == 3
+    t2 = (partial / "tables/T2_scorer_ablation.md").read_text()
+    random_row = next(line for line in t2.splitlines() if line.startswith("| random"))
+    assert random_row.split(" | ")[2] == "not run" and "(n=2)" in random_row
+
+
+def test_cli_dry_run_only_and_paper(smoke, capsys):
+    from lrmoe.cli import main
+
+    assert main(["reproduce", "--preset", "cpu", "--dry-run", "--out", str(smoke / "cpu"),
+                 "--only", "qwen3-C[0-9]+-lrm-s0"]) == 0
+    out = capsys.readouterr().out
+    assert [line.split()[0] for line in out.strip().splitlines()] == ["qwen3-C10-lrm-s0", "qwen3-C20-lrm-s0",
+                                                                     "qwen3-C30-lrm-s0"]
+    assert main(["reproduce", "--preset", "paper"]) == 2
+    assert "expert-parallel" in capsys.readouterr().err
+    assert main(["figures", "--results", str(smoke), "--out", str(smoke / "again"), "--only", "T1"]) == 0
+    assert (smoke / "again/tables/T1_convergence.md").exists()
+    assert not (smoke / "again/figures").exists()
+
+
+def test_missing_shared_data_skips(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LRMOE_SHARED_DATA", str(tmp_path / "nowhere"))
+    monkeypatch.delenv("LRMOE_ALPACA", raising=False)
+    assert plan("smoke", tmp_path)["skip"]
+    assert reproduce("smoke", tmp_path / "out", progress=False) == 0
+    assert "skipped" in capsys.readouterr().err and not (tmp_path / "out").exists()
