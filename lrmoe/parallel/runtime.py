@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 import weakref
 import zlib
 from typing import Any
@@ -131,6 +132,7 @@ class ExpertParallel:
         self.state: Any = None  # planner state (SYMI: last step's popularity)
         self.last_plan: Plan | list[Plan] | None = None
         self.last_forward_bytes: dict[str, int] = {}
+        self.plan_seconds = 0.0  # host time of the latest call's planning (all pieces)
 
     @property
     def local_experts(self) -> range:
@@ -163,12 +165,14 @@ class ExpertParallel:
         """The plan every rank computes for this demand (pure, deterministic); backward quotas from
         the policy are applied to baseline placements (:func:`selection_quotas`). ``piece``: a
         piece of a split microbatch, planned with fallback ``oom`` (executed even if over budget)."""
+        t0 = time.perf_counter()
         opts = self.planner_options(policy)
         if piece:
             opts["fallback"] = "oom"
         plan = plan_placement(self.placement, demand_GE, self.cluster, dims, self.budget_bytes, state=state, **opts)
         if policy.selects and plan.policy != "lrmoe":
             plan = selection_quotas(plan, policy, dims)
+        self.plan_seconds += time.perf_counter() - t0
         return plan
 
     def __repr__(self) -> str:
@@ -585,6 +589,7 @@ def ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weig
     demand_GE = _gather_demand(ep, torch.bincount(idx.reshape(-1), minlength=E), header)
     dims = ep.dims(H, I, K, gate_up_proj.element_size())
     prev_state = ep.state
+    ep.plan_seconds = 0.0
     plan = ep.plan(demand_GE, dims, policy, state=prev_state)
     ep.state = plan.state
     if plan.fallback == "oom":
