@@ -48,12 +48,12 @@ def _check_inputs(hidden_TH, top_k_index_TK, top_k_weights_TK, gate_up_proj, dow
             raise ValueError(f"expert indices must be in [0, {E - 1}], got values in [{lo}, {hi}]")
 
 
-def _swiglu(gu: torch.Tensor) -> torch.Tensor:
+def swiglu(gu: torch.Tensor) -> torch.Tensor:
     gate, up = gu.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)
 
 
-def _swiglu_backward(gu: torch.Tensor, dh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_backward(gu: torch.Tensor, dh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (h, dGU) for h = silu(gate) * up, given dL/dh (written in place into one buffer)."""
     gate, up = gu.chunk(2, dim=-1)
     I = gate.shape[-1]
@@ -65,7 +65,7 @@ def _swiglu_backward(gu: torch.Tensor, dh: torch.Tensor) -> tuple[torch.Tensor, 
     return silu.mul_(up), dgu
 
 
-def _acc_dtype(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
+def acc_dtype(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
     return torch.promote_types(a.dtype, b.dtype)
 
 
@@ -76,7 +76,7 @@ def expert_backward(G_NH, GU_N2I, X_NH, offs_E, gate_up_proj, down_proj, backend
     same expert-contiguous order described by ``offs_E`` (with ``x_index``, row i of X is
     ``X_NH[x_index[i]]``, read inside the wgrad kernel). Returns (dX [N, H], dW_gu, dW_d)."""
     dh = grouped_mm(G_NH, down_proj, offs_E, backend=backend)  # [N, I]
-    h, dGU = _swiglu_backward(GU_N2I, dh)
+    h, dGU = swiglu_backward(GU_N2I, dh)
     dW_d = grouped_mm(G_NH.t(), h, offs_E, backend=backend)  # [E, H, I]
     dW_gu = grouped_mm(dGU.t(), X_NH, offs_E, backend=backend, b_index=x_index)  # [E, 2I, H]
     dX = grouped_mm(dGU, gate_up_proj, offs_E, backend=backend)  # [N, H]
@@ -88,7 +88,7 @@ def buffer_bytes(N: int, H: int, I: int, itemsize: int) -> int:
     return N * (H + H + 2 * I + I + I + 2 * I + H) * itemsize
 
 
-class _Stopwatch:
+class Stopwatch:
     """Phase timings of one backward (only when ``policy.profile``; synchronises the device)."""
 
     def __init__(self, enabled: bool, device: torch.device):
@@ -128,7 +128,7 @@ class _SelectiveExperts(torch.autograd.Function):
         else:
             X = x_TH[token_P]
             GU = grouped_mm(X, gate_up_proj.transpose(1, 2), offs_E, backend=backend)
-        h = _swiglu(GU)
+        h = swiglu(GU)
         inv_perm = torch.empty_like(perm_P)
         inv_perm[perm_P] = torch.arange(P, device=perm_P.device)
         if fused:  # output rows written straight back to pair order
@@ -141,7 +141,7 @@ class _SelectiveExperts(torch.autograd.Function):
             phi_norm2_TK = (hf * hf).sum(-1).index_select(0, inv_perm).view(T, K)
         del h
         O_TKH = O_P.view(T, K, O_P.shape[-1])
-        acc = _acc_dtype(O_TKH, top_k_weights_TK)
+        acc = acc_dtype(O_TKH, top_k_weights_TK)
         y = torch.bmm(top_k_weights_TK.to(acc).unsqueeze(1), O_TKH.to(acc)).squeeze(1).to(hidden_TH.dtype)
 
         # Compact mode re-gathers the inputs of kept rows only in backward (saving P x H of
@@ -163,12 +163,12 @@ class _SelectiveExperts(torch.autograd.Function):
         E, I2, H = gate_up_proj.shape
         w_dtype = gate_up_proj.dtype
         g_TH = g_TH.contiguous()
-        watch = _Stopwatch(policy.profile, g_TH.device)
+        watch = Stopwatch(policy.profile, g_TH.device)
 
         # 1. Router gradient for every pair, kept or not.
         grad_alpha = None
         if ctx.needs_input_grad[1]:
-            acc = _acc_dtype(O_TKH, alpha_TK)
+            acc = acc_dtype(O_TKH, alpha_TK)
             grad_alpha = torch.bmm(O_TKH.to(acc), g_TH.to(acc).unsqueeze(-1)).squeeze(-1).to(alpha_TK.dtype)
         watch.lap("router_grad")
 
@@ -194,7 +194,7 @@ class _SelectiveExperts(torch.autograd.Function):
         else:
             rows_pair, offs, rows_token, GU_rows = perm_P, offs_E, token_P, GU
         watch.lap("compact")
-        acc = _acc_dtype(g_TH, alpha_TK)
+        acc = acc_dtype(g_TH, alpha_TK)
         G = g_TH.index_select(0, rows_token).to(acc).mul_(alpha_P.index_select(0, rows_pair).to(acc).unsqueeze(1))
         if keep_P is not None and policy.mode == "mask":
             G = torch.where(keep_P[rows_pair].unsqueeze(1), G, torch.zeros((), dtype=G.dtype, device=G.device))

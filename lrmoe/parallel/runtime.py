@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..experts import _acc_dtype, _Stopwatch, _swiglu, buffer_bytes, expert_backward
+from ..experts import acc_dtype, Stopwatch, swiglu, buffer_bytes, expert_backward
 from ..kernels.grouped_gemm import grouped_mm
 from ..kernels.routing import select_top_quota, sort_pairs_by_expert, sum_rows_by_token
 from ..policy import BackwardPolicy, BackwardRecord
@@ -379,7 +379,7 @@ class _EPExperts(torch.autograd.Function):
         P = T * K
         H = hidden_TH.shape[1]
         w_dtype, backend = gate_up.dtype, policy.backend
-        watch = _Stopwatch(policy.profile, hidden_TH.device)
+        watch = Stopwatch(policy.profile, hidden_TH.device)
         perm_P, _, _ = sort_pairs_by_expert(idx_TK, call.num_experts)
         send_pair = perm_P.index_select(0, lay.send_pos)
 
@@ -399,7 +399,7 @@ class _EPExperts(torch.autograd.Function):
         X_g = X_recv.index_select(0, lay.recv_order)
         del X_recv, X_send
         GU = _row_gemm(X_g, W_gu.transpose(1, 2), lay.offs_g, backend)
-        h = _swiglu(GU)
+        h = swiglu(GU)
         O_g = _row_gemm(h, W_d.transpose(1, 2), lay.offs_g, backend)
         phi_g = None
         if policy.selects:
@@ -416,7 +416,7 @@ class _EPExperts(torch.autograd.Function):
                                    "fwd_phi", call.comm)
             phi_TK = phi_send.new_zeros(P).index_copy_(0, send_pair, phi_send).view(T, K)
         watch.lap("combine")
-        acc = _acc_dtype(O_TKH, alpha_TK)
+        acc = acc_dtype(O_TKH, alpha_TK)
         y = torch.bmm(alpha_TK.to(acc).unsqueeze(1), O_TKH.to(acc)).squeeze(1).to(hidden_TH.dtype)
         ep.last_forward_bytes = dict(call.comm)
         call.forward_timings = watch.times
@@ -434,12 +434,12 @@ class _EPExperts(torch.autograd.Function):
         El = gate_up.shape[0]
         w_dtype, dev = gate_up.dtype, g_TH.device
         g_TH = g_TH.contiguous()
-        watch = _Stopwatch(policy.profile, dev)
+        watch = Stopwatch(policy.profile, dev)
 
         # 1. Router gradient for every routed pair (dropped pairs: O = 0).
         grad_alpha = None
         if ctx.needs_input_grad[1]:
-            acc = _acc_dtype(O_TKH, alpha_TK)
+            acc = acc_dtype(O_TKH, alpha_TK)
             grad_alpha = torch.bmm(O_TKH.to(acc), g_TH.to(acc).unsqueeze(-1)).squeeze(-1).to(alpha_TK.dtype)
         watch.lap("router_grad")
 
@@ -464,7 +464,7 @@ class _EPExperts(torch.autograd.Function):
         else:
             rows_pair = send_pair
             out_splits, in_splits = lay.recv_splits, lay.send_splits
-        acc = _acc_dtype(g_TH, alpha_TK)
+        acc = acc_dtype(g_TH, alpha_TK)
         G_rows = g_TH.index_select(0, rows_pair // K).to(acc).mul_(
             alpha_TK.reshape(-1).index_select(0, rows_pair).to(acc).unsqueeze(1))
         if not lay.compacts and policy.selects:  # mask mode, or a plan that keeps everything
