@@ -53,7 +53,8 @@ class Preset:
     models: dict  # family -> model preset name
     base: dict  # TrainConfig fields shared by every run
     data_file: str | None  # file under the shared data folder (None: $LRMOE_ALPACA or the hub)
-    model_overrides: dict = field(default_factory=dict)  # family -> overrides
+    model_overrides: dict = field(default_factory=dict)  # family -> transformers config overrides
+    family_config: dict = field(default_factory=dict)  # family -> TrainConfig field overrides
     e1_drops: tuple = DROPS_E1
     e1_seeds: tuple = (0,)
     e2_drop: float = 0.2
@@ -75,7 +76,8 @@ class Preset:
                 specs[name] = dataclasses.replace(old, experiments=tuple(sorted({*old.experiments, exp})))
                 return
             cfg = dict(self.base, model=self.models[family], drop_ratio=drop, scorer=scorer if drop > 0 else "lrm",
-                       seed=seed, model_overrides=dict(self.model_overrides.get(family, {})))
+                       seed=seed, model_overrides=dict(self.model_overrides.get(family, {})),
+                       **self.family_config.get(family, {}))
             specs[name] = RunSpec(name, family, (exp,), cfg)
 
         for fam in self.families:
@@ -131,8 +133,12 @@ PRESETS: dict[str, Preset] = {
         "paper", "the paper's setting: Qwen3-30B-A3B and GLM-4.5-Air (full depth), EP8 on 8 Hopper GPUs, "
                  "seq 8192, micro-batch 4 per GPU, 10,000 steps",
         {"qwen3": "qwen3-30b-a3b", "glm4": "glm-4.5-air"},
-        dict(_GPU_BASE, tokenizer="bpe:151552", micro_batch=4, grad_accum=1, steps=10_000, warmup_steps=100,
+        dict(_GPU_BASE, micro_batch=4, grad_accum=1, steps=10_000, warmup_steps=100, lr=1e-5,
              eval_interval=1000, checkpoint_interval=500), None,
+        # fine-tuning of the released checkpoints with their own tokenizers (the paper does not say
+        # whether it starts from them; a PPL of 1.015 on Alpaca suggests so)
+        family_config={"qwen3": {"init_from": "Qwen/Qwen3-30B-A3B", "tokenizer": "Qwen/Qwen3-30B-A3B"},
+                       "glm4": {"init_from": "zai-org/GLM-4.5-Air", "tokenizer": "zai-org/GLM-4.5-Air"}},
         e2_seeds=(0, 1, 2), jobs=1, launcher="torchrun", hardware="8x NVIDIA Hopper (80 GiB), EP8",
         cost="estimated (not measured): the paper's 10,000-step runs; 34 runs at roughly 1-2 days each on 8 GPUs"),
 }
@@ -231,11 +237,11 @@ def reproduce(preset: str, out_dir=None, only: str | None = None, dry_run: bool 
         print(f"lrmoe reproduce: skipped: {pl['skip']}", file=sys.stderr)
         return 0
     if p.launcher == "torchrun":
-        print("lrmoe reproduce: the 'paper' preset trains the full models with expert parallelism over 8 GPUs "
-              "(launched with torchrun). That needs the expert-parallel training runtime (the EP issue), which "
-              "this checkout does not have yet, so nothing was run. `lrmoe reproduce --preset paper --dry-run` "
-              "lists its runs; the 'gpu1' preset runs the same experiments on one GPU with fewer layers.",
-              file=sys.stderr)
+        print("lrmoe reproduce: the 'paper' preset trains the full models with expert parallelism over 8 GPUs, "
+              "launched with torchrun. It needs the expert-parallel runtime inside the training loop (`lrmoe "
+              "train` over lrmoe.parallel, from the EP issue); this checkout's `lrmoe train` is single-process, "
+              "so nothing was run. `lrmoe reproduce --preset paper --dry-run` lists its runs; the 'gpu1' preset "
+              "runs the same experiments on one GPU with fewer layers.", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "manifest.json", {"preset": p.to_dict(), "runs": [dataclasses.asdict(r) for r in pl["all_runs"]]})

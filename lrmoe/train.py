@@ -70,6 +70,7 @@ class TrainConfig:
     # model
     model: str = "qwen3-moe-tiny"
     model_overrides: dict = field(default_factory=dict)
+    init_from: str | None = None
     # data
     data: str | None = None
     tokenizer: str = "bpe:1024"
@@ -111,6 +112,8 @@ class TrainConfig:
     _HELP = {
         "model": "model preset (lrmoe.hf.MODEL_PRESETS)",
         "model_overrides": "transformers config fields to override, KEY=VALUE (JSON values), e.g. num_hidden_layers=4",
+        "init_from": "load initial weights from this checkpoint (local folder or hub id) instead of a random "
+                     "initialisation of the preset; its vocabulary must cover the tokenizer's",
         "data": "Alpaca source: .json/.jsonl file, directory or hub id (default: $LRMOE_ALPACA, else tatsu-lab/alpaca)",
         "tokenizer": "'bpe:N' (trained on the training records), 'VOCAB.json,MERGES.txt' or a HF tokenizer dir",
         "max_records": "keep the first N records of the source (before the held-out split)",
@@ -426,7 +429,8 @@ def hardware_label(env: dict) -> str:
     if str(env.get("device", "cpu")).startswith("cuda"):
         return f"1x {env.get('gpu', 'GPU')}"
     cpu = env.get("cpu_model") or env.get("cpu") or "CPU"
-    return f"CPU, {env.get('threads', '?')} thread(s) ({cpu})"
+    cores = f"{env['cpu_count']} cores, " if env.get("cpu_count") else ""
+    return f"CPU ({cpu}), {cores}{env.get('threads', '?')} thread(s) per run"
 
 
 def load_data(cfg: TrainConfig):
@@ -460,6 +464,12 @@ def run_status(out_dir) -> str | None:
 
 
 def _comparable(d: dict) -> dict:
+    """Config fields that define a run (runtime-only fields dropped; fields an older version of the
+    kit did not write take their defaults)."""
+    try:
+        d = TrainConfig.from_dict(d).to_dict()
+    except (TypeError, ValueError):
+        pass
     return {k: v for k, v in d.items() if k not in _RUNTIME_FIELDS}
 
 
@@ -581,9 +591,22 @@ def train(cfg: TrainConfig, out_dir, progress: bool = True, stop_after: int | No
     wall0 = time.perf_counter()
     train_set, heldout, data_stats = load_data(cfg)
     vocab = int(data_stats["vocab_size"])
-    overrides = {"vocab_size": vocab, **cfg.model_overrides}
     policy = cfg.policy()
-    model = hf.build_model(cfg.model, policy=policy, seed=cfg.seed, **overrides).to(device)
+    if cfg.init_from:
+        from transformers import AutoModelForCausalLM
+
+        hf.register()
+        overrides = dict(cfg.model_overrides)
+        torch.manual_seed(cfg.seed)
+        model = AutoModelForCausalLM.from_pretrained(cfg.init_from, experts_implementation=hf.IMPLEMENTATION,
+                                                     dtype=torch.float32, **overrides).to(device)
+        hf.set_policy(model, policy)
+        if model.config.vocab_size < vocab:
+            raise ValueError(f"{cfg.init_from} has {model.config.vocab_size} token embeddings but the tokenizer "
+                             f"{cfg.tokenizer!r} has {vocab} tokens; use the checkpoint's tokenizer")
+    else:
+        overrides = {"vocab_size": vocab, **cfg.model_overrides}
+        model = hf.build_model(cfg.model, policy=policy, seed=cfg.seed, **overrides).to(device)
     model.train()
     moe_modules = hf.experts_modules(model)
     n_moe = len(moe_modules)

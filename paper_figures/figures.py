@@ -81,7 +81,7 @@ def make_f1(res: Results, paper: dict, out: Path) -> list[Path]:
                  f"step {row['step']} (sum over {cfg.get('grad_accum', 1)} micro-batch(es))", fontsize=9)
     ax.set_xlabel("expert")
     ax.set_ylabel("routed pairs")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3, frameon=False)
     ex = paper["F1"]["example"]
     pdf_ = pd.DataFrame({"expert": [0, 1, 2] * 2, "pairs": ex["demand"] + ex["retained"],
                          "what": ["demand"] * 3 + ["retained"] * 3})

@@ -168,3 +168,18 @@ def test_cli_train_and_resume(data_path, tmp_path, capsys):
     assert s["model"]["family"] == "glm4_moe" and s["model"]["moe_layers"] == 1
     assert main(["train", "--out", str(tmp_path / "x"), "--micro-batch", "3", "--global-batch", "4"]) == 2
     assert "must be a multiple of micro_batch" in capsys.readouterr().err
+
+
+def test_init_from_a_checkpoint(data_path, tmp_path):
+    from lrmoe import hf
+
+    src = hf.build_model("qwen3-moe-tiny", vocab_size=320, seed=7)
+    src.save_pretrained(tmp_path / "ckpt")
+    c = cfg(data_path, steps=2, warmup_steps=1, init_from=str(tmp_path / "ckpt"), drop_ratio=0.2)
+    s = train(c, tmp_path / "run", progress=False)
+    assert s["status"] == "done" and s["model"]["vocab_size"] == 300
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert rows[0]["kept_fraction"] == pytest.approx(0.8, abs=0.01)
+    with pytest.raises(ValueError, match="token embeddings but the tokenizer"):
+        train(cfg(data_path, steps=1, warmup_steps=0, tokenizer="bpe:400", init_from=str(tmp_path / "ckpt")),
+              tmp_path / "run2", progress=False)
