@@ -126,7 +126,7 @@ class _SelectiveExperts(torch.autograd.Function):
             X = None
             GU = grouped_mm(x_TH, gate_up_proj.transpose(1, 2), offs_E, backend=backend, a_index=token_P)
         else:
-            X = x_TH[token_P]
+            X = x_TH.index_select(0, token_P)
             GU = grouped_mm(X, gate_up_proj.transpose(1, 2), offs_E, backend=backend)
         h = swiglu(GU)
         inv_perm = torch.empty_like(perm_P)
@@ -187,10 +187,10 @@ class _SelectiveExperts(torch.autograd.Function):
         alpha_P = alpha_TK.reshape(-1)
         if ctx.compacts:
             pos = kept_positions(keep_P, perm_P, n_keep)
-            rows_pair, offs = perm_P[pos], torch.cumsum(quota_E, 0).to(torch.int32)
-            rows_token, GU_rows = token_P[pos], GU[pos]
+            rows_pair, offs = perm_P.index_select(0, pos), torch.cumsum(quota_E, 0).to(torch.int32)
+            rows_token, GU_rows = token_P.index_select(0, pos), GU.index_select(0, pos)
             if not ctx.fused:
-                X = hidden_TH.to(w_dtype)[rows_token]
+                X = hidden_TH.to(w_dtype).index_select(0, rows_token)
         else:
             rows_pair, offs, rows_token, GU_rows = perm_P, offs_E, token_P, GU
         watch.lap("compact")
@@ -220,7 +220,8 @@ class _SelectiveExperts(torch.autograd.Function):
             if scores_TK is not None:
                 nonfinite = (~torch.isfinite(scores_TK)).sum()
             else:
-                nonfinite = (~torch.isfinite(g_TH)).any(-1).sum() * K
+                lo, hi = torch.aminmax(g_TH, dim=-1)  # non-finite iff NaN/Inf anywhere in the row (cheap)
+                nonfinite = (~(torch.isfinite(lo) & torch.isfinite(hi))).sum() * K
             record.fill(demand=demand_E, quota=quota_E, kept=kept_E, kept_mask=keep_P.view(T, K),
                         scores=scores_TK, nonfinite=nonfinite, mode=policy.mode, drop_ratio=policy.drop_ratio,
                         buffer_bytes=buffer_bytes(G.shape[0], H, I2 // 2, G.element_size()), timings=watch.times)

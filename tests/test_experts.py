@@ -228,3 +228,11 @@ def test_fused_gather_path_matches_loop(mode):
     y_ref, grads_ref, _ = run_loop(case, kept=rec.kept_mask)
     torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-12)
     assert_close_all(grads, grads_ref, f"fused {mode}")
+
+
+@pytest.mark.parametrize("mode", ["full", "compact"])
+def test_nonfinite_count_sees_inf_of_either_sign(mode):
+    x, idx, w, gu, dn, dy = make_case(9, 5, 4, 3, 2)
+    dy[2, 0], dy[5, 3] = float("-inf"), float("inf")
+    _, _, rec = run_lrmoe((x, idx, w, gu, dn, dy), BackwardPolicy(0.3 if mode == "compact" else 0.0, mode=mode))
+    assert rec.nonfinite == 4  # both pairs of tokens 2 and 5

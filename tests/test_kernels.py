@@ -105,6 +105,10 @@ def test_select_top_quota_matches_loop():
         scores[torch.rand(P) < 0.3] = 0.25  # ties
         scores[torch.rand(P) < 0.05] = float("nan")
         scores[torch.rand(P) < 0.05] = float("-inf")
+        scores[torch.rand(P) < 0.1] = 0.0
+        scores[torch.rand(P) < 0.1] = -0.0  # equal to 0.0: ties, not an order
+        scores[torch.rand(P) < 0.1] *= 1e30  # extreme magnitudes
+        scores[torch.rand(P) < 0.05] = torch.finfo(torch.float32).tiny / 4  # subnormals
         d = torch.bincount(expert, minlength=E)
         quota = (torch.rand(E) * (d + 1)).long().clamp(max=d)
         keep = select_top_quota(scores, expert, quota)

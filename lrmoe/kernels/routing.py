@@ -24,20 +24,29 @@ def rank_keys(scores_P: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(s), s, torch.full_like(s, float("inf")))
 
 
+def _descending_int_keys(keys_P: torch.Tensor) -> torch.Tensor:
+    """int64 in [0, 2^32) that orders like ``-keys`` (float32): the float's bit pattern made monotone."""
+    bits = (keys_P + 0.0).view(torch.int32).to(torch.int64)  # + 0.0 turns -0.0 into +0.0
+    monotone = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # increasing in the float value
+    return (2**31 - 1) - monotone
+
+
 def select_top_quota(scores_P: torch.Tensor, expert_P: torch.Tensor, quota_E: torch.Tensor) -> torch.Tensor:
     """Boolean mask [P]: for every expert e, its ``quota_E[e]`` pairs with the highest score.
 
     Ties go to the lower pair index; non-finite scores rank first (so NaN/Inf gradients are kept
-    and reach the optimizer's checks). Two stable sorts: by score (descending), then by expert."""
+    and reach the optimizer's checks). One stable sort of the int64 key (expert, -score): the
+    float32 score's bit pattern, made order-preserving, fills the low 32 bits."""
     P = scores_P.numel()
     E = quota_E.numel()
-    by_score = torch.argsort(rank_keys(scores_P), descending=True, stable=True)
-    order = by_score[torch.argsort(expert_P[by_score], stable=True)]  # expert-major, best first
-    e_sorted = expert_P[order]
-    start_E = torch.cumsum(torch.bincount(expert_P, minlength=E), 0) - torch.bincount(expert_P, minlength=E)
-    rank = torch.arange(P, device=scores_P.device) - start_E[e_sorted]
+    key = (expert_P.to(torch.int64) << 32) | _descending_int_keys(rank_keys(scores_P))
+    order = torch.argsort(key, stable=True)  # expert-major, best first, lower pair index on ties
+    e_sorted = expert_P.index_select(0, order)
+    counts_E = torch.bincount(expert_P, minlength=E)
+    start_E = torch.cumsum(counts_E, 0) - counts_E
+    rank = torch.arange(P, device=scores_P.device) - start_E.index_select(0, e_sorted)
     keep = torch.empty(P, dtype=torch.bool, device=scores_P.device)
-    keep[order] = rank < quota_E[e_sorted]
+    keep[order] = rank < quota_E.index_select(0, e_sorted)
     return keep
 
 
