@@ -210,7 +210,8 @@ class _SelectiveExperts(torch.autograd.Function):
         watch.lap("gemm")
         grad_hidden = None
         if ctx.needs_input_grad[0]:
-            grad_hidden = sum_rows_by_token(dX, rows_pair, T, K).to(hidden_TH.dtype)
+            # G is dead after the GEMMs: reuse its buffer for the reordered dX rows.
+            grad_hidden = sum_rows_by_token(dX, rows_pair, T, K, workspace=G).to(hidden_TH.dtype)
         watch.lap("scatter")
 
         if record is not None:

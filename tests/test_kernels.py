@@ -128,4 +128,5 @@ def test_sum_rows_by_token(dtype):
         rows = torch.randn(n, 5, dtype=dtype)
         out = sum_rows_by_token(rows, rows_pair, T, K)
         torch.testing.assert_close(out, sum_rows_by_token_loop(rows, rows_pair, T, K))
+        torch.testing.assert_close(sum_rows_by_token(rows, rows_pair, T, K, workspace=torch.randn_like(rows)), out)
         assert out.shape == (T, 5)
