@@ -108,6 +108,11 @@ class TrainConfig:
     log_interval: int = 10
     sample_layers: list = field(default_factory=lambda: [0, -1])
     checkpoint_interval: int = 0
+    # expert parallelism (torchrun; lrmoe.parallel.train_ep)
+    ep: int = 1
+    placement: str = "lrmoe"
+    ep_budget_mib: float | None = None
+    ep_options: dict = field(default_factory=dict)
 
     _HELP = {
         "model": "model preset (lrmoe.hf.MODEL_PRESETS)",
@@ -143,10 +148,19 @@ class TrainConfig:
         "log_interval": "progress-bar refresh interval in steps (metrics.jsonl gets every step)",
         "sample_layers": "MoE-layer indices (negative from the end) whose per-expert demand/quota/kept are logged",
         "checkpoint_interval": "write checkpoint.pt every N steps (0: only at the end / on stop)",
+        "ep": "expert-parallel group size: the routed experts of every MoE layer are sharded over ep ranks "
+              "(launch with `torchrun --nproc-per-node N -m lrmoe.cli train ... --ep N`; 1: no expert "
+              "parallelism, data parallel when launched with several processes)",
+        "placement": "placement policy of the expert-parallel runtime (with ep > 1): fixed, symi, ultraep, "
+                     "ultraep_greedy, lrmoe",
+        "ep_budget_mib": "per-rank memory budget of each MoE layer for the placement planner, in MiB (default: unlimited)",
+        "ep_options": "placement planner option KEY=VALUE (JSON values; repeatable), e.g. min_tokens=64, "
+                      "capacity_factor=1.0, slots_per_rank=4, fallback=split_microbatch:2",
     }
 
     def __post_init__(self):
         self.model_overrides = dict(self.model_overrides or {})
+        self.ep_options = dict(self.ep_options or {})
         self.sample_layers = list(self.sample_layers)
         self._resolve_batch()
 
@@ -225,8 +239,25 @@ class TrainConfig:
             raise ValueError(f"sample_layers must be a list of integers, got {self.sample_layers!r}")
         if not isinstance(self.model_overrides, dict):
             raise ValueError(f"model_overrides must be a dict, got {self.model_overrides!r}")
+        self._validate_ep()
         self.policy()  # validates drop_ratio, scorer, quota, mode, policy seed
         return self
+
+    def _validate_ep(self):
+        from .parallel import placement_policies
+
+        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
+            raise ValueError(f"ep must be an integer >= 1, got {self.ep!r}")
+        if self.placement not in placement_policies():
+            raise ValueError(f"unknown placement {self.placement!r}; accepted: {sorted(placement_policies())}")
+        if self.ep_budget_mib is not None and not (isinstance(self.ep_budget_mib, (int, float))
+                                                   and self.ep_budget_mib > 0):
+            raise ValueError(f"ep_budget_mib must be a number > 0 or None (unlimited), got {self.ep_budget_mib!r}")
+        if not isinstance(self.ep_options, dict):
+            raise ValueError(f"ep_options must be a dict, got {self.ep_options!r}")
+        if self.micro_batch % self.ep:
+            raise ValueError(f"micro_batch ({self.micro_batch}) must be divisible by ep ({self.ep}): every "
+                             f"micro-batch is split evenly over the ranks")
 
     def policy(self):
         from .policy import BackwardPolicy
@@ -294,6 +325,9 @@ class BatchStream:
         return self.position / self.n
 
 
+_EXPERTS_NODES = ("SelectiveExperts", "EPExperts")  # autograd nodes of lrmoe.experts / lrmoe.parallel.runtime
+
+
 class MoETimer:
     """Time spent inside the routed-experts modules (forward and backward), see the module docstring."""
 
@@ -331,7 +365,7 @@ class MoETimer:
         # `.to(dtype)` after the experts function may add a copy node: time from the outer node's
         # start to the experts node's end.
         for _ in range(2):
-            if "SelectiveExperts" in type(inner).__name__ or not inner.next_functions:
+            if any(n in type(inner).__name__ for n in _EXPERTS_NODES) or not inner.next_functions:
                 break
             inner = inner.next_functions[0][0] or inner
         box = {}
@@ -499,8 +533,10 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
 
 
 @torch.no_grad()
-def evaluate(model, heldout, cfg: TrainConfig, device, autocast) -> dict:
-    """Mean response-token cross-entropy and perplexity on the held-out split."""
+def evaluate(model, heldout, cfg: TrainConfig, device, autocast, runner=None) -> dict:
+    """Mean response-token cross-entropy and perplexity on the held-out split (with a distributed
+    ``runner``: every rank evaluates its share of each micro-batch; sums over the ranks)."""
+    runner = runner or LocalRunner  # its eval_rows/sum_eval are static
     n = len(heldout)
     if n == 0:
         return {}
@@ -513,11 +549,14 @@ def evaluate(model, heldout, cfg: TrainConfig, device, autocast) -> dict:
     for s in starts:
         idx = torch.arange(s, min(n, s + cfg.micro_batch))
         batch = {k: heldout.tensors[k][idx].to(device) for k in ("input_ids", "labels", "position_ids")}
+        batch, counted = runner.eval_rows(batch)
         with autocast():
             logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
         loss_sum, tokens = _token_loss(logits, batch["labels"])
-        total += float(loss_sum)
-        count += tokens
+        if counted:
+            total += float(loss_sum)
+            count += tokens
+    total, count = runner.sum_eval(total, count)
     model.train(was_training)
     if count == 0:
         return {}
@@ -560,29 +599,109 @@ def _summary_of_metrics(rows: list[dict], steps: int) -> dict:
     return out
 
 
+class LocalRunner:
+    """One process, one device: the steps of :func:`train` that a distributed run does differently
+    (:class:`lrmoe.parallel.train_ep.DistributedRunner` has the same methods)."""
+
+    distributed = False
+    is_main = True
+    rank, world = 0, 1
+
+    def __init__(self, cfg: TrainConfig):
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.device = resolve_device(cfg.device)
+
+    def place_model(self, model, policy):
+        return model.to(self.device)
+
+    def describe(self) -> dict:
+        return {}
+
+    def local_batches(self, batches):
+        return batches
+
+    def backward(self, loss):
+        loss.backward()
+
+    def reduce_step(self, loss_total, kept, layer_stats, nonfinite, comm):
+        return loss_total, kept, layer_stats, nonfinite, {}
+
+    def clip_(self, model, params, clip: float) -> float:
+        if clip > 0:
+            return float(torch.nn.utils.clip_grad_norm_(params, clip))
+        return float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+
+    def max_times(self, *times):
+        return times
+
+    @staticmethod
+    def eval_rows(batch):
+        return batch, True
+
+    @staticmethod
+    def sum_eval(total, count):
+        return total, count
+
+    def save_checkpoint(self, path: Path, common: dict, model, opt, rng_state: dict) -> None:
+        _atomic_torch_save({**common, "model": model.state_dict(), "optimizer": opt.state_dict(), "rng": rng_state},
+                           path)
+
+    def load_checkpoint(self, path: Path) -> dict:
+        return torch.load(path, map_location="cpu", weights_only=False)
+
+    def load_state(self, path: Path, ck: dict, model, opt, set_rng) -> None:
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        set_rng(ck["rng"])
+
+    def barrier(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def make_runner(cfg: TrainConfig):
+    """:class:`LocalRunner`, or the distributed one when ``cfg.ep > 1`` or under torchrun."""
+    from .parallel import train_ep
+
+    return train_ep.DistributedRunner(cfg) if train_ep.wanted(cfg) else LocalRunner(cfg)
+
+
 def train(cfg: TrainConfig, out_dir, progress: bool = True, stop_after: int | None = None) -> dict:
     """Train (or resume) the run ``cfg`` in ``out_dir``; returns the summary dict.
 
     ``stop_after``: stop (checkpoint, status "running") once this many optimizer steps are done,
     to be resumed by a later call. A finished run (status "done") is returned as is.
-    """
-    from .bench.common import write_json
-    from . import hf
 
+    Under torchrun (or with ``cfg.ep > 1``) every rank calls this with the same arguments: the
+    experts are sharded over the EP group, each rank trains on its share of every batch and rank
+    0 writes the files (lrmoe.parallel.train_ep, docs/expert_parallel.md).
+    """
     cfg.validate()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    summary_path, metrics_path, ckpt_path = out / "summary.json", out / "metrics.jsonl", out / "checkpoint.pt"
-    previous = _read_json(summary_path)
+    previous = _read_json(out / "summary.json")
     if previous is not None and _comparable(previous.get("config", {})) != _comparable(cfg.to_dict()):
         raise ValueError(f"{out} holds a different run (its summary.json has another config); "
                          "use a fresh output directory or delete that one")
     if previous is not None and previous.get("status") == "done":
         return previous
+    runner = make_runner(cfg)
+    try:
+        return _train(cfg, out, runner, progress, stop_after)
+    finally:
+        runner.close()
 
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    device = resolve_device(cfg.device)
+
+def _train(cfg: TrainConfig, out: Path, runner, progress: bool, stop_after: int | None) -> dict:
+    from .bench.common import write_json
+    from . import hf
+
+    summary_path, metrics_path, ckpt_path = out / "summary.json", out / "metrics.jsonl", out / "checkpoint.pt"
+    main = runner.is_main
+    device = runner.device
     use_bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
 
     def autocast():
@@ -599,16 +718,19 @@ def train(cfg: TrainConfig, out_dir, progress: bool = True, stop_after: int | No
         overrides = dict(cfg.model_overrides)
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_pretrained(cfg.init_from, experts_implementation=hf.IMPLEMENTATION,
-                                                     dtype=torch.float32, **overrides).to(device)
+                                                     dtype=torch.float32, **overrides)
         hf.set_policy(model, policy)
         if model.config.vocab_size < vocab:
             raise ValueError(f"{cfg.init_from} has {model.config.vocab_size} token embeddings but the tokenizer "
                              f"{cfg.tokenizer!r} has {vocab} tokens; use the checkpoint's tokenizer")
     else:
         overrides = {"vocab_size": vocab, **cfg.model_overrides}
-        model = hf.build_model(cfg.model, policy=policy, seed=cfg.seed, **overrides).to(device)
-    model.train()
+        model = hf.build_model(cfg.model, policy=policy, seed=cfg.seed, **overrides)
+    n_parameters = sum(p.numel() for p in model.parameters())
     moe_modules = hf.experts_modules(model)
+    n_experts = int(moe_modules[0].gate_up_proj.shape[0]) if moe_modules else 0
+    model = runner.place_model(model, policy)  # EP: experts sharded over the ranks
+    model.train()
     n_moe = len(moe_modules)
     bad = [i for i in cfg.sample_layers if not -n_moe <= i < n_moe]
     if bad:
@@ -625,33 +747,35 @@ def train(cfg: TrainConfig, out_dir, progress: bool = True, stop_after: int | No
     resumed_from = []
 
     if ckpt_path.exists():
-        ck = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        ck = runner.load_checkpoint(ckpt_path)
         if _comparable(ck["config"]) != _comparable(cfg.to_dict()):
             raise ValueError(f"{ckpt_path} was written by a different config; use a fresh output directory")
-        model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["optimizer"])
+        runner.load_state(ckpt_path, ck, model, opt, lambda state: _set_rng_state(state, policy, device))
         sched.load_state_dict(ck["scheduler"])
-        _set_rng_state(ck["rng"], policy, device)
         stream.position = ck["data_position"]
         step = ck["step"]
         timings.update(ck.get("timings", {}))
         resumed_from = ck.get("resumed_from", []) + [step]
-        _truncate_metrics(metrics_path, step)
+        del ck
+        if main:
+            _truncate_metrics(metrics_path, step)
     else:
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
-        metrics_path.write_text("")
+        if main:
+            metrics_path.write_text("")
 
     base = {"config": cfg.to_dict(), "seed": cfg.seed, "environment": _environment(device),
             "data": {k: v for k, v in data_stats.items() if k != "config"},
             "model": {"preset": cfg.model, "family": hf.MODEL_PRESETS[cfg.model].family,
-                      "parameters": sum(p.numel() for p in model.parameters()), "moe_layers": n_moe,
-                      "experts": int(moe_modules[0].gate_up_proj.shape[0]) if moe_modules else 0,
+                      "parameters": n_parameters, "moe_layers": n_moe, "experts": n_experts,
                       "sampled_layers": sampled, "vocab_size": vocab, "overrides": overrides,
                       "autocast_bf16": use_bf16},
-            "metrics_file": metrics_path.name, "resumed_from": resumed_from}
+            "metrics_file": metrics_path.name, "resumed_from": resumed_from, **runner.describe()}
 
     def write_summary(status: str):
+        if not main:
+            return None
         rows = read_metrics(metrics_path)
         s = dict(base, status=status, steps_done=step, final=_summary_of_metrics(rows, cfg.steps),
                  timings=dict(timings, wall_s_this_process=time.perf_counter() - wall0))
@@ -660,109 +784,118 @@ def train(cfg: TrainConfig, out_dir, progress: bool = True, stop_after: int | No
 
     def checkpoint():
         t0 = time.perf_counter()
-        _atomic_torch_save({"config": cfg.to_dict(), "step": step, "model": model.state_dict(),
-                            "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                            "rng": _rng_state(policy, device), "data_position": stream.position,
-                            "timings": timings, "resumed_from": resumed_from}, ckpt_path)
+        runner.save_checkpoint(ckpt_path, {"config": cfg.to_dict(), "step": step, "scheduler": sched.state_dict(),
+                                           "data_position": stream.position, "timings": timings,
+                                           "resumed_from": resumed_from},
+                               model, opt, _rng_state(policy, device))
         timings["checkpoint_s"] += time.perf_counter() - t0
 
     write_summary("running")
     timer = MoETimer(moe_modules, device)
     bar = None
-    if progress:
+    if progress and main:
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, initial=step, desc=out.name, unit="step", dynamic_ncols=True,
                    disable=not progress)
+    mf = open(metrics_path, "a") if main else None
     try:
-        with open(metrics_path, "a") as mf:
-            while step < cfg.steps:
-                if stop_after is not None and step >= stop_after:
-                    break
-                t0 = time.perf_counter()
-                micro = [stream.next(cfg.micro_batch) for _ in range(cfg.grad_accum)]
-                batches = [{k: train_set.tensors[k][idx] for k in ("input_ids", "labels", "position_ids")}
-                           for idx in micro]
-                n_label = sum(_label_tokens(b["labels"]) for b in batches)
-                n_tokens = sum(int((train_set.tensors["doc_ids"][idx] >= 0).sum()) for idx in micro)
-                opt.zero_grad(set_to_none=True)
-                timer.enabled = True
-                loss_total = 0.0
-                kept = [[0, 0] for _ in range(n_moe)]
-                layer_stats = {i: None for i in sampled}
-                nonfinite = 0
-                for b in batches:
-                    b = {k: v.to(device, non_blocking=True) for k, v in b.items()}
-                    with autocast():
-                        logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"]).logits
-                    loss_sum, _ = _token_loss(logits, b["labels"])
-                    loss = loss_sum / max(1, n_label)
-                    loss.backward()
-                    loss_total += float(loss.detach())
-                    for li, rec in enumerate(hf.backward_records(model)):
-                        if rec is None or not rec.filled:
-                            continue
-                        kept[li][0] += int(rec.kept.sum())
-                        kept[li][1] += int(rec.demand.sum())
-                        nonfinite += rec.nonfinite
-                        if li in layer_stats:
-                            cur = {"demand": rec.demand.cpu(), "quota": rec.quota.cpu(), "kept": rec.kept.cpu()}
-                            prev = layer_stats[li]
-                            layer_stats[li] = cur if prev is None else {k: prev[k] + cur[k] for k in cur}
-                    del logits, loss, loss_sum
-                timer.enabled = False
-                params = [p for g in opt.param_groups for p in g["params"]]
-                if cfg.clip > 0:
-                    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.clip))
-                else:
-                    grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
-                lr = opt.param_groups[0]["lr"]
-                opt.step()
-                sched.step()
-                fwd_s, bwd_s = timer.collect()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                dt = time.perf_counter() - t0
-                step += 1
-                timings["train_s"] += dt
-                timings["moe_fwd_s"] += fwd_s
-                timings["moe_bwd_s"] += bwd_s
-                fracs = [k / d for k, d in kept if d]
-                row = {"step": step, "epoch": stream.epoch, "loss": loss_total,
-                       "ppl": math.exp(min(loss_total, 700.0)), "lr": lr, "grad_norm": grad_norm,
-                       "tokens": n_tokens, "label_tokens": n_label, "tokens_per_s": n_tokens / dt,
-                       "step_time_s": dt, "moe_fwd_s": fwd_s, "moe_bwd_s": bwd_s,
-                       "kept_fraction": sum(fracs) / len(fracs) if fracs else 1.0, "nonfinite": nonfinite,
-                       "layers": {str(i): {k: v.tolist() for k, v in s.items()}
-                                  for i, s in layer_stats.items() if s is not None}}
-                if (cfg.eval_interval and step % cfg.eval_interval == 0) or step == cfg.steps:
-                    te = time.perf_counter()
-                    row.update(evaluate(model, heldout, cfg, device, autocast))
-                    timings["eval_s"] += time.perf_counter() - te
-                row["elapsed_s"] = timings["train_s"] + timings["eval_s"]
+        while step < cfg.steps:
+            if stop_after is not None and step >= stop_after:
+                break
+            t0 = time.perf_counter()
+            micro = [stream.next(cfg.micro_batch) for _ in range(cfg.grad_accum)]
+            batches = [{k: train_set.tensors[k][idx] for k in ("input_ids", "labels", "position_ids")}
+                       for idx in micro]
+            n_label = sum(_label_tokens(b["labels"]) for b in batches)
+            n_tokens = sum(int((train_set.tensors["doc_ids"][idx] >= 0).sum()) for idx in micro)
+            opt.zero_grad(set_to_none=True)
+            timer.enabled = True
+            loss_total = 0.0
+            kept = [[0, 0] for _ in range(n_moe)]
+            layer_stats = {i: None for i in sampled}
+            nonfinite = 0
+            comm = {}
+            for b in runner.local_batches(batches):  # EP: this rank's rows of every micro-batch
+                b = {k: v.to(device, non_blocking=True) for k, v in b.items()}
+                with autocast():
+                    logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"]).logits
+                loss_sum, _ = _token_loss(logits, b["labels"])
+                loss = loss_sum / max(1, n_label)
+                runner.backward(loss)
+                loss_total += float(loss.detach())
+                for li, rec in enumerate(hf.backward_records(model)):
+                    if rec is None or not rec.filled:
+                        continue
+                    kept[li][0] += int(rec.kept.sum())
+                    kept[li][1] += int(rec.demand.sum())
+                    nonfinite += rec.nonfinite
+                    for k, v in (getattr(rec, "comm_bytes", None) or {}).items():  # EP records only
+                        comm[k] = comm.get(k, 0) + v
+                    if li in layer_stats:
+                        cur = {"demand": rec.demand.cpu(), "quota": rec.quota.cpu(), "kept": rec.kept.cpu()}
+                        prev = layer_stats[li]
+                        layer_stats[li] = cur if prev is None else {k: prev[k] + cur[k] for k in cur}
+                del logits, loss, loss_sum
+            timer.enabled = False
+            # EP: sums over the ranks (the per-rank records hold this rank's pairs only)
+            loss_total, kept, layer_stats, nonfinite, extra = runner.reduce_step(loss_total, kept, layer_stats,
+                                                                                 nonfinite, comm)
+            params = [p for g in opt.param_groups for p in g["params"]]
+            grad_norm = runner.clip_(model, params, cfg.clip)  # EP: gradient sync, then the global norm
+            lr = opt.param_groups[0]["lr"]
+            opt.step()
+            sched.step()
+            fwd_s, bwd_s = timer.collect()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dt = time.perf_counter() - t0
+            dt, fwd_s, bwd_s = runner.max_times(dt, fwd_s, bwd_s)  # EP: the slowest rank
+            step += 1
+            timings["train_s"] += dt
+            timings["moe_fwd_s"] += fwd_s
+            timings["moe_bwd_s"] += bwd_s
+            fracs = [k / d for k, d in kept if d]
+            row = {"step": step, "epoch": stream.epoch, "loss": loss_total,
+                   "ppl": math.exp(min(loss_total, 700.0)), "lr": lr, "grad_norm": grad_norm,
+                   "tokens": n_tokens, "label_tokens": n_label, "tokens_per_s": n_tokens / dt,
+                   "step_time_s": dt, "moe_fwd_s": fwd_s, "moe_bwd_s": bwd_s,
+                   "kept_fraction": sum(fracs) / len(fracs) if fracs else 1.0, "nonfinite": nonfinite,
+                   "layers": {str(i): {k: v.tolist() for k, v in s.items()}
+                              for i, s in layer_stats.items() if s is not None}, **extra}
+            if (cfg.eval_interval and step % cfg.eval_interval == 0) or step == cfg.steps:
+                te = time.perf_counter()
+                row.update(evaluate(model, heldout, cfg, device, autocast, runner))
+                timings["eval_s"] += time.perf_counter() - te
+            row["elapsed_s"] = timings["train_s"] + timings["eval_s"]
+            if mf is not None:
                 mf.write(json.dumps(row) + "\n")
                 mf.flush()
-                if bar is not None:
-                    bar.update(1)
-                    if step % cfg.log_interval == 0 or step == cfg.steps:
-                        post = {"loss": f"{loss_total:.4f}", "kept": f"{row['kept_fraction']:.2f}",
-                                "tok/s": f"{row['tokens_per_s']:.0f}"}
-                        if "eval_loss" in row:
-                            post["eval"] = f"{row['eval_loss']:.4f}"
-                        bar.set_postfix(post)
-                if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 and step < cfg.steps:
-                    checkpoint()
-                    write_summary("running")
+            if bar is not None:
+                bar.update(1)
+                if step % cfg.log_interval == 0 or step == cfg.steps:
+                    post = {"loss": f"{loss_total:.4f}", "kept": f"{row['kept_fraction']:.2f}",
+                            "tok/s": f"{row['tokens_per_s']:.0f}"}
+                    if "eval_loss" in row:
+                        post["eval"] = f"{row['eval_loss']:.4f}"
+                    bar.set_postfix(post)
+            if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 and step < cfg.steps:
+                checkpoint()
+                write_summary("running")
     except KeyboardInterrupt:
         checkpoint()
         write_summary("running")
         raise
     finally:
+        if mf is not None:
+            mf.close()
         timer.remove()
         if bar is not None:
             bar.close()
     checkpoint()
-    return write_summary("done" if step >= cfg.steps else "running")
+    s = write_summary("done" if step >= cfg.steps else "running")
+    runner.barrier()
+    return s if main else _read_json(summary_path)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -799,6 +932,9 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
         if f.name == "model_overrides":
             p.add_argument("--model-override", dest="model_overrides", action="append", type=_parse_override,
                            metavar="KEY=VALUE", help=TrainConfig._HELP[f.name])
+        elif f.name == "ep_options":
+            p.add_argument("--ep-option", dest="ep_options", action="append", type=_parse_override,
+                           metavar="KEY=VALUE", help=TrainConfig._HELP[f.name])
         elif f.name == "sample_layers":
             p.add_argument(flag, type=int, nargs="+", default=None, help=help_)
         else:
@@ -816,7 +952,7 @@ def config_from_args(args, base: dict | None = None) -> TrainConfig:
     for f in dataclasses.fields(TrainConfig):
         v = getattr(args, f.name, None)
         if v is not None:
-            given[f.name] = dict(v) if f.name == "model_overrides" else v
+            given[f.name] = dict(v) if f.name in ("model_overrides", "ep_options") else v
     # The batch flags given decide; what they leave open is re-derived (a global batch from the
     # config is kept when only --micro-batch is given: accumulation adapts).
     if "grad_accum" in given and "global_batch" not in given:
@@ -843,11 +979,18 @@ def _cli(args) -> int:
     try:
         cfg = config_from_args(args)
         cfg.validate()
+        from .parallel.train_ep import check_launch
+
+        check_launch(cfg)
     except ValueError as e:
         print(f"lrmoe train: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(cfg.to_dict()), file=sys.stderr)
+    main = int(os.environ.get("RANK", "0")) == 0  # under torchrun, rank 0 reports
+    if main:
+        print(json.dumps(cfg.to_dict()), file=sys.stderr)
     s = train(cfg, args.out, progress=not args.no_progress, stop_after=args.stop_after)
+    if not main:
+        return 0
     fin = s.get("final", {})
     print(f"{args.out}: status {s['status']}, step {s.get('steps_done')}, loss {fin.get('loss')}, "
           f"ppl {fin.get('ppl')}, eval_ppl {fin.get('eval_ppl')}")

@@ -1,0 +1,283 @@
+"""The distributed pieces of `lrmoe train`: expert parallelism (and data parallelism) under torchrun.
+
+    torchrun --nproc-per-node 2 -m lrmoe.cli train --out runs/x --ep 2 --placement lrmoe ...
+
+:func:`lrmoe.train.train` runs one step the same way in one process and under torchrun; what
+differs is delegated to a *runner*: :class:`lrmoe.train.LocalRunner` (one process, the original
+path) or :class:`DistributedRunner` (this module), chosen by :func:`wanted`.
+
+Semantics (docs/expert_parallel.md, "Training with torchrun"):
+
+* Every rank builds the same model (same seed, or the same ``init_from``), on the CPU; with
+  ``ep > 1`` the routed experts are sharded over each EP group by
+  :func:`lrmoe.parallel.hf.parallelize_experts` before the model moves to the rank's device and
+  before the optimizer exists. Dense parameters are broadcast from rank 0 (a no-op safeguard).
+* The data stream is the single-process one (every rank draws the same global indices). Every
+  micro-batch of ``micro_batch`` rows is split evenly over the W ranks (contiguous blocks of
+  ``micro_batch / W`` rows; ValueError when W does not divide it), so a step sees the same
+  ``global_batch`` rows as one process. The loss of rank r is ``loss_sum_r / n_label * W`` with
+  ``n_label`` the label tokens of the whole step (known to every rank from the indices), so that
+  after :func:`lrmoe.parallel.hf.finish_grad_sync` (dense gradients averaged over the ranks,
+  expert gradients summed over the EP group by the runtime and divided by W) every gradient is
+  that of the single-process loss on the global batch.
+* Per-step statistics are sums over all ranks (loss, demand/quota/kept per expert, kept pairs,
+  non-finite scores, the runtime's ``comm_bytes``); times are the maximum over ranks. Rank 0
+  alone writes ``metrics.jsonl`` and ``summary.json``. Evaluation runs on every rank, each on its
+  share of every held-out micro-batch.
+* Checkpoints: ``checkpoint.pt`` (rank 0) holds the full, unsharded weights (gathered layer by
+  layer to the CPU), the scheduler, the data position, rank 0's RNG and the world layout;
+  ``checkpoint.rank{r}.pt`` (every rank) holds that rank's optimizer state (its expert shards),
+  RNG states and the placement planners' state. Rank files are written first, then the main file
+  (the commit point); the previous rank file is kept as ``checkpoint.rank{r}.prev.pt`` until the
+  main file is written, so a run killed at any moment resumes from a consistent set.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import hf as ep_hf
+from .runtime import ExpertParallel
+
+# Keys of BackwardRecord.comm_bytes (lrmoe.parallel.runtime), in the order they are logged.
+COMM_KEYS = ("fwd_weights", "fwd_dispatch", "fwd_combine", "fwd_phi", "bwd_grad_rows", "bwd_grad_index", "bwd_dx",
+             "bwd_weight_grads")
+
+
+def world_size_from_env() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def wanted(cfg) -> bool:
+    """True when ``cfg`` asks for expert parallelism or the process runs under torchrun (W > 1)."""
+    return cfg.ep > 1 or world_size_from_env() > 1
+
+
+def torchrun_hint(ep: int) -> str:
+    return f"torchrun --nproc-per-node {ep} -m lrmoe.cli train ... --ep {ep}"
+
+
+def check_launch(cfg, world: int | None = None) -> None:
+    """ValueError unless the world size fits ``cfg`` (ep divides it, it divides micro_batch)."""
+    world = world_size_from_env() if world is None else world
+    if cfg.ep > 1 and world == 1:
+        raise ValueError(f"ep={cfg.ep} needs {cfg.ep} processes (or a multiple): launch with `{torchrun_hint(cfg.ep)}`")
+    if world % cfg.ep:
+        raise ValueError(f"ep ({cfg.ep}) must divide the number of processes ({world}): the ranks form "
+                         f"{world}/{cfg.ep} expert-parallel groups")
+    if cfg.micro_batch % world:
+        raise ValueError(f"micro_batch ({cfg.micro_batch}) must be divisible by the number of processes ({world}): "
+                         f"every micro-batch (global_batch = micro_batch x grad_accum = {cfg.global_batch} rows per "
+                         f"step) is split evenly over the ranks; use e.g. --micro-batch "
+                         f"{world * max(1, cfg.micro_batch // world)} ({max(1, cfg.micro_batch // world)} per rank)")
+
+
+def budget_bytes(cfg) -> float:
+    return math.inf if cfg.ep_budget_mib is None else float(cfg.ep_budget_mib) * 2 ** 20
+
+
+class DistributedRunner:
+    """Everything of a training step that involves other ranks (see the module docstring)."""
+
+    distributed = True
+
+    def __init__(self, cfg):
+        from ..train import resolve_device
+        from .launch import init_distributed
+
+        check_launch(cfg)
+        self.cfg = cfg
+        self.owns_group = not dist.is_initialized()
+        wanted_device = resolve_device(cfg.device)
+        backend = "nccl" if wanted_device.type == "cuda" else "gloo"
+        self.env = init_distributed(ep=cfg.ep, backend=backend)
+        self.device = self.env.device
+        if self.device.type == "cpu":
+            torch.set_num_threads(cfg.threads or 1)  # ranks share the cores: one thread each by default
+        elif cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.rank, self.world = self.env.rank, self.env.world_size
+        self.is_main = self.env.is_main
+        self.eps: list[ExpertParallel] = []
+        self.num_experts = 0
+
+    # ------------------------------------------------------------------ model
+    def place_model(self, model, policy):
+        """Shard the experts over the EP group (ep > 1), move to the device, equalise dense weights."""
+        from .. import hf
+
+        mods = hf.experts_modules(model)
+        self.num_experts = int(mods[0].gate_up_proj.shape[0]) if mods else 0
+        if self.env.ep_size > 1:
+            self.eps = ep_hf.parallelize_experts(model, self.env.ep_group, self.cfg.placement, budget_bytes(self.cfg),
+                                                 policy=policy, **self.cfg.ep_options)
+        model = model.to(self.device)
+        ep_hf.broadcast_dense_params(model, src=0)
+        return model
+
+    def describe(self) -> dict:
+        return {"distributed": {"world_size": self.world, "ep": self.env.ep_size, "dp": self.world // self.env.ep_size,
+                                "backend": self.env.backend, "placement": self.cfg.placement if self.eps else None,
+                                "budget_mib_per_layer": self.cfg.ep_budget_mib if self.eps else None,  # None: unlimited
+                                "options": dict(self.cfg.ep_options) if self.eps else {},
+                                "rows_per_rank_per_micro_batch": self.cfg.micro_batch // self.world}}
+
+    # ------------------------------------------------------------------ step
+    def local_batches(self, batches: list[dict]) -> list[dict]:
+        """This rank's contiguous block of rows of every micro-batch."""
+        m = self.cfg.micro_batch // self.world
+        lo = self.rank * m
+        return [{k: v[lo:lo + m] for k, v in b.items()} for b in batches]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss * self.world).backward()
+
+    def reduce_step(self, loss_total: float, kept: list, layer_stats: dict, nonfinite: int, comm: dict):
+        """Sums over all ranks of the step's statistics (one all-reduce)."""
+        E = self.num_experts
+        other = sum(v for k, v in comm.items() if k not in COMM_KEYS)
+        vals = [loss_total, float(nonfinite), float(other)] + [float(comm.get(k, 0)) for k in COMM_KEYS]
+        vals += [float(x) for pair in kept for x in pair]
+        layers = sorted(layer_stats)
+        parts = [torch.tensor(vals, dtype=torch.float64)]
+        for li in layers:
+            s = layer_stats[li]
+            if s is None:
+                parts.append(torch.zeros(1 + 3 * E, dtype=torch.float64))
+            else:
+                parts.append(torch.cat([torch.ones(1, dtype=torch.float64)]
+                                       + [s[k].reshape(-1).to(torch.float64) for k in ("demand", "quota", "kept")]))
+        flat = torch.cat(parts).to(self.device)
+        dist.all_reduce(flat)
+        flat = flat.cpu()
+        loss_total, nonfinite, other = float(flat[0]), int(flat[1]), int(flat[2])
+        off = 3
+        comm_sum = {k: int(flat[off + i]) for i, k in enumerate(COMM_KEYS)}
+        if other:
+            comm_sum["other"] = other
+        off += len(COMM_KEYS)
+        kept = [[int(flat[off + 2 * i]), int(flat[off + 2 * i + 1])] for i in range(len(kept))]
+        off += 2 * len(kept)
+        out_stats = {}
+        for li in layers:
+            chunk = flat[off:off + 1 + 3 * E].round().to(torch.int64)
+            off += 1 + 3 * E
+            out_stats[li] = None if chunk[0] == 0 else {k: chunk[1 + j * E:1 + (j + 1) * E]
+                                                         for j, k in enumerate(("demand", "quota", "kept"))}
+        extra = {"comm_bytes": comm_sum, "comm_bytes_total": sum(comm_sum.values())} if self.eps else {}
+        return loss_total, kept, out_stats, nonfinite, extra
+
+    def clip_(self, model, params, clip: float) -> float:
+        """Gradient sync (dense: data parallel; experts: EP) then global-norm clipping; the norm."""
+        ep_hf.finish_grad_sync(model, self.env.dp_group, self.env.expert_dp_group)
+        return float(ep_hf.clip_grad_norm_(model, clip if clip > 0 else math.inf, self.env.ep_group))
+
+    def max_times(self, *times: float) -> tuple[float, ...]:
+        t = torch.tensor(times, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return tuple(float(x) for x in t.cpu())
+
+    # ------------------------------------------------------------------ evaluation
+    def eval_rows(self, batch: dict) -> tuple[dict, bool]:
+        """This rank's share of a held-out micro-batch (uneven split allowed); a rank left without
+        rows runs the first row (every rank must call the EP layers) and does not count it."""
+        n = next(iter(batch.values())).shape[0]
+        lo, hi = n * self.rank // self.world, n * (self.rank + 1) // self.world
+        if hi > lo:
+            return {k: v[lo:hi] for k, v in batch.items()}, True
+        return {k: v[:1] for k, v in batch.items()}, False
+
+    def sum_eval(self, total: float, count: int) -> tuple[float, int]:
+        t = torch.tensor([total, float(count)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return float(t[0]), int(t[1])
+
+    # ------------------------------------------------------------------ checkpoints
+    def rank_file(self, ckpt_path: Path, prev: bool = False) -> Path:
+        return ckpt_path.with_name(f"{ckpt_path.stem}.rank{self.rank}{'.prev' if prev else ''}{ckpt_path.suffix}")
+
+    def full_state_dict_cpu(self, model) -> dict | None:
+        """The unsharded state dict on rank 0 (CPU tensors), None elsewhere. A collective: like
+        :func:`lrmoe.parallel.hf.full_state_dict`, but each layer's gathered experts go to the CPU
+        at once, so no GPU ever holds more than one layer's full expert weights."""
+        sd = model.state_dict()
+        owners = {}
+        for mname, m in model.named_modules():
+            ep = getattr(m, ep_hf._EP_ATTR, None)
+            if isinstance(ep, ExpertParallel):
+                for pname in ("gate_up_proj", "down_proj"):
+                    owners[f"{mname}.{pname}" if mname else pname] = ep
+        out = {} if self.is_main else None
+        for key, t in sd.items():
+            ep = owners.get(key)
+            if ep is not None:
+                local = t.contiguous()
+                parts = [torch.empty_like(local) for _ in range(ep.world_size)]
+                dist.all_gather(parts, local, group=ep.group)
+                t = torch.cat(parts)
+            if out is not None:
+                out[key] = t.detach().cpu()
+        return out
+
+    def save_checkpoint(self, path: Path, common: dict, model, opt, rng_state: dict) -> None:
+        from ..train import _atomic_torch_save
+
+        full = self.full_state_dict_cpu(model)
+        mine, prev = self.rank_file(path), self.rank_file(path, prev=True)
+        if mine.exists():
+            os.replace(mine, prev)
+        _atomic_torch_save({"step": common["step"], "rank": self.rank, "world_size": self.world,
+                            "optimizer": opt.state_dict(), "rng": rng_state,
+                            "placement_state": [ep.state for ep in self.eps]}, mine)
+        dist.barrier()
+        if self.is_main:
+            _atomic_torch_save({**common, "model": full, "world_size": self.world, "ep_size": self.env.ep_size,
+                                "rank_files": f"{path.stem}.rank{{r}}{path.suffix}"}, path)
+        dist.barrier()
+        prev.unlink(missing_ok=True)
+
+    def load_checkpoint(self, path: Path) -> dict:
+        ck = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        layout = (ck.get("world_size", 1), ck.get("ep_size", 1))
+        if layout != (self.world, self.env.ep_size):
+            raise ValueError(f"{path} was written by {layout[0]} process(es) with ep={layout[1]}; this run has "
+                             f"{self.world} with ep={self.env.ep_size}: resume with the same torchrun layout")
+        return ck
+
+    def load_state(self, path: Path, ck: dict, model, opt, set_rng) -> None:
+        """Weights from the main checkpoint, optimizer/RNG/planner state from this rank's file."""
+        if self.eps:
+            ep_hf.load_full_state_dict(model, ck["model"])
+        else:
+            model.load_state_dict(ck["model"])
+        found = []
+        for f in (self.rank_file(path), self.rank_file(path, prev=True)):
+            if f.exists():
+                rs = torch.load(f, map_location="cpu", weights_only=False)
+                found.append(f"{f.name}: step {rs['step']}")
+                if rs["step"] == ck["step"]:
+                    break
+        else:
+            raise ValueError(f"{path} is at step {ck['step']} but no per-rank file of rank {self.rank} matches it "
+                             f"({', '.join(found) or 'none found'}); copy the checkpoint together with its "
+                             f"checkpoint.rank*.pt files")
+        opt.load_state_dict(rs["optimizer"])
+        set_rng(rs["rng"])
+        for ep, st in zip(self.eps, rs.get("placement_state", [])):
+            ep.state = st
+
+    # ------------------------------------------------------------------ end
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def close(self) -> None:
+        if self.owns_group:
+            from .launch import shutdown
+
+            shutdown()
