@@ -612,6 +612,10 @@ class LocalRunner:
             torch.set_num_threads(cfg.threads)
         self.device = resolve_device(cfg.device)
 
+    @staticmethod
+    def load_data(cfg):
+        return load_data(cfg)
+
     def place_model(self, model, policy):
         return model.to(self.device)
 
@@ -708,7 +712,7 @@ def _train(cfg: TrainConfig, out: Path, runner, progress: bool, stop_after: int 
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
 
     wall0 = time.perf_counter()
-    train_set, heldout, data_stats = load_data(cfg)
+    train_set, heldout, data_stats = runner.load_data(cfg)
     vocab = int(data_stats["vocab_size"])
     policy = cfg.policy()
     if cfg.init_from:

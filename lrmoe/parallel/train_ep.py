@@ -107,7 +107,17 @@ class DistributedRunner:
         self.eps: list[ExpertParallel] = []
         self.num_experts = 0
 
-    # ------------------------------------------------------------------ model
+    # ------------------------------------------------------------------ data and model
+    def load_data(self, cfg):
+        """The prepared data; one rank per node tokenises/packs it (and trains the BPE) first."""
+        from ..train import load_data
+
+        first = self.env.local_rank == 0
+        if first:
+            out = load_data(cfg)
+        dist.barrier()
+        return out if first else load_data(cfg)
+
     def place_model(self, model, policy):
         """Shard the experts over the EP group (ep > 1), move to the device, equalise dense weights."""
         from .. import hf

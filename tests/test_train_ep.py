@@ -1,0 +1,190 @@
+"""`lrmoe train` with expert parallelism, launched by torchrun: 2 gloo processes on the CPU,
+qwen3-moe-tiny (8 experts, top-2, 2 MoE layers), the tiny Alpaca sample.
+
+One module fixture runs the single-process reference in this process and four torchrun
+launches (`python -m torch.distributed.run --nproc-per-node 2 -m lrmoe.cli train ... --ep 2`):
+fixed placement at C0, LRMoE placement at C20 uninterrupted, and the same stopped after 3 steps
+then resumed. Each launch has a deadline, so a hang fails instead of blocking the suite.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lrmoe.data import shared_data_dir
+from lrmoe.quota import retained_total
+from lrmoe.train import TrainConfig, read_metrics, train
+
+TINY = shared_data_dir() / "alpaca" / "alpaca_tiny.json"
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH_DEADLINE_S = 180
+# global batch 8 rows (2 micro-batches of 4; 2 rows per rank per micro-batch), 64 tokens per row
+RUN = dict(model="qwen3-moe-tiny", tokenizer="bpe:300", seq_len=64, micro_batch=4, grad_accum=2, steps=6, lr=3e-3,
+           warmup_steps=1, heldout_fraction=0.1, eval_interval=3, eval_batches=2, checkpoint_interval=2)
+C20 = dict(RUN, drop_ratio=0.2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def flags(d: dict) -> list[str]:
+    out = []
+    for k, v in d.items():
+        out += ["--" + k.replace("_", "-"), str(v)]
+    return out
+
+
+def torchrun(out: Path, config: dict, *extra: str, env: dict) -> float:
+    """Launch `lrmoe train` on 2 processes; returns the wall time. Fails with the output on error/hang."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "lrmoe.cli", "train", "--out", str(out), "--no-progress",
+           *flags(config), *extra]
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_DEADLINE_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"torchrun did not finish within {LAUNCH_DEADLINE_S} s (hang?):\n{e.stderr or ''}")
+    if p.returncode:
+        pytest.fail(f"torchrun exited with {p.returncode}:\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}")
+    return time.perf_counter() - t0
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    if not TINY.exists():
+        pytest.skip(f"offline Alpaca sample not found at {TINY} (set LRMOE_SHARED_DATA to the shared/data folder)")
+    base = tmp_path_factory.mktemp("train_ep")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HF_DATASETS_CACHE")}
+    env.update(HF_HOME=str(base / "hf"), LRMOE_CACHE=str(base / "cache"), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    data = {"data": str(TINY)}
+    walls = {}
+    with pytest.MonkeyPatch.context() as mp:
+        for k in ("HF_HOME", "LRMOE_CACHE"):
+            mp.setenv(k, env[k])
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            mp.delenv(k, raising=False)
+        t0 = time.perf_counter()
+        train(TrainConfig(**RUN, **data, threads=1), base / "single", progress=False)  # also prepares the data
+        walls["single"] = time.perf_counter() - t0
+    walls["fixed"] = torchrun(base / "fixed", dict(RUN, **data, ep=2, placement="fixed"), env=env)
+    lrm = dict(C20, **data, ep=2, placement="lrmoe")
+    walls["lrmoe"] = torchrun(base / "lrmoe", lrm, env=env)
+    walls["stop"] = torchrun(base / "resumed", lrm, "--stop-after", "3", env=env)
+    # a kill right after the rank files were rotated: only checkpoint.rank{r}.prev.pt match checkpoint.pt
+    for r in (0, 1):
+        os.replace(base / "resumed" / f"checkpoint.rank{r}.pt", base / "resumed" / f"checkpoint.rank{r}.prev.pt")
+    walls["resume"] = torchrun(base / "resumed", lrm, env=env)
+    print("wall seconds:", {k: round(v, 1) for k, v in walls.items()})
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def metrics(d: Path) -> list[dict]:
+    return read_metrics(d / "metrics.jsonl")
+
+
+def test_ep_fixed_c0_matches_single_process(runs):
+    single, ep = metrics(runs / "single"), metrics(runs / "fixed")
+    assert [r["step"] for r in ep] == list(range(1, 7))
+    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(single, ep)]
+    print("per-step |loss EP - loss single|:", ["%.1e" % d for d in diffs])
+    assert max(diffs) < 1e-5
+    for a, b in zip(single, ep):
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert b.get("eval_loss", 0.0) == pytest.approx(a.get("eval_loss", 0.0), abs=1e-5)
+        assert (b["tokens"], b["label_tokens"], b["lr"], b["epoch"]) == (a["tokens"], a["label_tokens"], a["lr"],
+                                                                         a["epoch"])
+        assert b["layers"] == a["layers"]  # global demand/quota/kept per expert (all-reduced) = single process
+        assert b["kept_fraction"] == 1.0 and b["comm_bytes"]["bwd_grad_rows"] > 0
+    assert [r["step"] for r in ep if "eval_loss" in r] == [3, 6]
+
+
+def test_ep_lrmoe_c20_metrics_summary_and_files(runs):
+    import json
+
+    rows = metrics(runs / "lrmoe")
+    assert len(rows) == 6
+    for r in rows:
+        assert r["kept_fraction"] == pytest.approx(0.8, abs=0.01)
+        assert r["comm_bytes_total"] == sum(r["comm_bytes"].values()) > 0
+        assert r["comm_bytes"]["bwd_grad_rows"] > 0 and r["comm_bytes"]["fwd_dispatch"] > 0
+        # compact backward: fewer gradient rows cross the network than forward rows
+        assert r["comm_bytes"]["bwd_grad_rows"] < r["comm_bytes"]["fwd_dispatch"]
+        for st in r["layers"].values():
+            assert sum(st["demand"]) == 8 * 64 * 2  # the whole global batch, top-2
+            # the single-process n_keep of each micro-batch (4 rows x 64 tokens x top-2), summed over 2
+            assert st["kept"] == st["quota"] and sum(st["kept"]) == 2 * retained_total(4 * 64 * 2, 0.2)
+    s = json.loads((runs / "lrmoe" / "summary.json").read_text())
+    assert s["status"] == "done" and s["steps_done"] == 6
+    assert s["model"]["experts"] == 8 and s["model"]["parameters"] > 0
+    assert s["distributed"]["world_size"] == 2 and s["distributed"]["ep"] == 2
+    assert s["distributed"]["placement"] == "lrmoe" and s["config"]["ep"] == 2
+    assert s["final"]["kept_fraction_mean"] == pytest.approx(0.8, abs=0.01)
+    names = sorted(p.name for p in (runs / "lrmoe").iterdir())
+    assert names == ["checkpoint.pt", "checkpoint.rank0.pt", "checkpoint.rank1.pt", "metrics.jsonl", "summary.json"]
+    # checkpoint.pt holds the full (unsharded) weights: 8 experts per layer
+    import torch
+
+    ck = torch.load(runs / "lrmoe" / "checkpoint.pt", map_location="cpu", weights_only=False)
+    gu = [v for k, v in ck["model"].items() if k.endswith("experts.gate_up_proj")]
+    assert len(gu) == 2 and all(v.shape[0] == 8 for v in gu)
+    assert (ck["world_size"], ck["ep_size"], ck["step"]) == (2, 2, 6)
+
+
+def test_ep_resume_reproduces_the_uninterrupted_run(runs):
+    import json
+
+    full, resumed = metrics(runs / "lrmoe"), metrics(runs / "resumed")
+    assert [r["step"] for r in resumed] == list(range(1, 7))
+    for key in ("loss", "grad_norm", "lr", "epoch", "kept_fraction", "layers", "eval_loss", "comm_bytes"):
+        assert [r.get(key) for r in full] == [r.get(key) for r in resumed], key
+    s = json.loads((runs / "resumed" / "summary.json").read_text())
+    assert s["status"] == "done" and s["resumed_from"] == [3]
+    assert not list((runs / "resumed").glob("*.prev.pt"))  # removed once the new checkpoint was written
+
+
+def test_launch_errors(tmp_path, monkeypatch, capsys):
+    from lrmoe.cli import main
+    from lrmoe.parallel.train_ep import check_launch
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    assert main(["train", "--out", str(tmp_path / "a"), "--ep", "2"]) == 2
+    assert "torchrun --nproc-per-node 2 -m lrmoe.cli train" in capsys.readouterr().err
+    assert main(["train", "--out", str(tmp_path / "b"), "--ep", "2", "--micro-batch", "3"]) == 2
+    assert "micro_batch (3) must be divisible by ep (2)" in capsys.readouterr().err
+    assert main(["train", "--out", str(tmp_path / "c"), "--ep", "2", "--placement", "nope"]) == 2
+    assert "unknown placement 'nope'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"micro_batch \(6\) must be divisible by the number of processes \(4\)"):
+        check_launch(TrainConfig(micro_batch=6, ep=2), world=4)
+    with pytest.raises(ValueError, match=r"ep \(4\) must divide the number of processes \(6\)"):
+        check_launch(TrainConfig(micro_batch=12, ep=4), world=6)
+    with pytest.raises(ValueError, match="ep_budget_mib must be a number > 0"):
+        TrainConfig(ep_budget_mib=0).validate()
+
+
+def test_cli_ep_flags():
+    import argparse
+
+    from lrmoe.train import config_from_args, register_cli
+
+    ap = argparse.ArgumentParser()
+    register_cli(ap.add_subparsers(dest="command"))
+    a = ap.parse_args(["train", "--out", "x", "--ep", "8", "--placement", "ultraep", "--ep-budget-mib", "512",
+                       "--ep-option", "min_tokens=64", "--ep-option", "fallback=split_microbatch:2",
+                       "--micro-batch", "32"])
+    c = config_from_args(a).validate()
+    assert (c.ep, c.placement, c.ep_budget_mib) == (8, "ultraep", 512.0)
+    assert c.ep_options == {"min_tokens": 64, "fallback": "split_microbatch:2"}
