@@ -4,9 +4,16 @@
     cfg = TrainConfig(model="qwen3-moe-small", data="alpaca_en_demo.json", drop_ratio=0.2, steps=400)
     summary = train(cfg, "results/my_run")
 
-One process, one device. AdamW with linear warm-up and cosine decay to ``min_lr_ratio * lr``,
+One process, one device; or, launched by torchrun, expert parallel (``ep`` ranks share the routed
+experts, placed by ``placement``) and data parallel over the ranks, computing the same step on the
+same global batch (lrmoe.parallel.train_ep; docs/expert_parallel.md, "Training with torchrun")::
+
+    torchrun --nproc-per-node 8 -m lrmoe.cli train --out runs/x --ep 8 --placement lrmoe --micro-batch 32 ...
+
+AdamW with linear warm-up and cosine decay to ``min_lr_ratio * lr``,
 global-norm gradient clipping, gradient accumulation (``global_batch = micro_batch * grad_accum``
-rows per optimizer step), bf16 autocast on GPU and fp32 on CPU (``dtype="auto"``).
+rows per optimizer step; under torchrun every micro-batch is split evenly over the ranks), bf16
+autocast on GPU and fp32 on CPU (``dtype="auto"``).
 
 Files written to ``out_dir`` (all atomically, so a killed run never leaves a torn file):
 
@@ -18,7 +25,13 @@ Files written to ``out_dir`` (all atomically, so a killed run never leaves a tor
   model description, ``status`` ("running" or "done"), final metrics and timings.
 * ``checkpoint.pt``: model, optimizer, LR scheduler, RNG states (torch, CUDA, python, numpy, the
   backward policy's generator) and the data-loader position. Written every
-  ``checkpoint_interval`` steps, on ``stop_after``, on Ctrl-C and at the end.
+  ``checkpoint_interval`` steps, on ``stop_after``, on Ctrl-C (one process only) and at the end.
+  Under torchrun it holds the full unsharded weights, and ``checkpoint.rank{r}.pt`` each rank's
+  optimizer state, RNG states and placement-planner state.
+
+Under torchrun, rank 0 writes these files; metrics are sums over all ranks (times: the slowest
+rank) and EP rows add ``comm_bytes`` (bytes sent to other ranks per all-to-all kind, summed over
+MoE layers, micro-batches and ranks) and ``comm_bytes_total``.
 
 Exact resume: calling :func:`train` again on the same ``out_dir`` with the same config continues
 from the checkpoint; the losses it logs are bit-identical to those of an uninterrupted run (same
@@ -887,8 +900,9 @@ def _train(cfg: TrainConfig, out: Path, runner, progress: bool, stop_after: int 
                 checkpoint()
                 write_summary("running")
     except KeyboardInterrupt:
-        checkpoint()
-        write_summary("running")
+        if not runner.distributed:  # ranks interrupted at different points cannot run the collectives
+            checkpoint()
+            write_summary("running")
         raise
     finally:
         if mf is not None:
