@@ -63,7 +63,8 @@ class Preset:
     families: tuple = FAMILIES
     jobs: int = 1  # runs in parallel (CPU presets: one thread each)
     cost: str = ""  # expected cost, stated in docs/reproduce.md
-    launcher: str = "local"  # "local" or "torchrun" (needs the expert-parallel runtime)
+    launcher: str = "local"  # "local" (runs in this process / a process pool) or "torchrun" (one launch per run)
+    nproc: int = 1  # torchrun: processes per run (one node; one GPU each)
     hardware: str = ""
 
     def runs(self) -> list[RunSpec]:
@@ -130,16 +131,17 @@ PRESETS: dict[str, Preset] = {
         e2_seeds=(0, 1, 2), jobs=1, hardware="1x NVIDIA H100/H200 (80+ GiB)",
         cost="estimated (not measured): ~1-2 s per step, 34 runs x 1,000 steps = 10-20 GPU-hours"),
     "paper": Preset(
-        "paper", "the paper's setting: Qwen3-30B-A3B and GLM-4.5-Air (full depth), EP8 on 8 Hopper GPUs, "
-                 "seq 8192, micro-batch 4 per GPU, 10,000 steps",
+        "paper", "the paper's setting: Qwen3-30B-A3B and GLM-4.5-Air (full depth), EP8 on 8 Hopper GPUs "
+                 "(torchrun, LRMoE placement), seq 8192, micro-batch 4 per GPU, 10,000 steps",
         {"qwen3": "qwen3-30b-a3b", "glm4": "glm-4.5-air"},
-        dict(_GPU_BASE, micro_batch=4, grad_accum=1, steps=10_000, warmup_steps=100, lr=1e-5,
-             eval_interval=1000, checkpoint_interval=500), None,
+        # micro_batch counts the rows of one forward over all ranks: 32 = 4 per GPU x 8 GPUs
+        dict(_GPU_BASE, micro_batch=32, grad_accum=1, steps=10_000, warmup_steps=100, lr=1e-5,
+             eval_interval=1000, checkpoint_interval=500, ep=8, placement="lrmoe"), None,
         # fine-tuning of the released checkpoints with their own tokenizers (the paper does not say
         # whether it starts from them; a PPL of 1.015 on Alpaca suggests so)
         family_config={"qwen3": {"init_from": "Qwen/Qwen3-30B-A3B", "tokenizer": "Qwen/Qwen3-30B-A3B"},
                        "glm4": {"init_from": "zai-org/GLM-4.5-Air", "tokenizer": "zai-org/GLM-4.5-Air"}},
-        e2_seeds=(0, 1, 2), jobs=1, launcher="torchrun", hardware="8x NVIDIA Hopper (80 GiB), EP8",
+        e2_seeds=(0, 1, 2), jobs=1, launcher="torchrun", nproc=8, hardware="8x NVIDIA Hopper (80 GiB), EP8",
         cost="estimated (not measured): the paper's 10,000-step runs; 34 runs at roughly 1-2 days each on 8 GPUs"),
 }
 
@@ -208,66 +210,173 @@ def _prepare_data(runs: list[RunSpec]) -> None:
             load_data(c)
 
 
-def reproduce(preset: str, out_dir=None, only: str | None = None, dry_run: bool = False, data: str | None = None,
-              jobs: int | None = None, figures: bool = True, progress: bool = True) -> int:
-    """Run every pending run of ``preset`` (skipping finished ones), then the figures. Returns an exit code."""
+def train_flags(config: dict) -> list[str]:
+    """`lrmoe train` flags that rebuild ``config`` (fields that differ from TrainConfig's defaults;
+    ep and placement always; global_batch follows from micro_batch x grad_accum)."""
+    cfg, default = TrainConfig.from_dict(config).to_dict(), TrainConfig().to_dict()
+    args = []
+    for name, v in cfg.items():
+        if name == "global_batch" or (v == default[name] and name not in ("ep", "placement")):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if name in ("model_overrides", "ep_options"):
+            one = "--model-override" if name == "model_overrides" else "--ep-option"
+            for k, x in v.items():
+                args += [one, f"{k}={json.dumps(x)}"]
+        elif name == "sample_layers":
+            args += [flag, *map(str, v)]
+        else:
+            args += [flag, "none" if v is None else str(v)]
+    return args
+
+
+def torchrun_command(run: RunSpec, run_dir, nproc: int) -> list[str]:
+    """The command that trains ``run`` in ``run_dir`` with ``nproc`` processes on one node."""
+    return ["torchrun", "--standalone", "--nproc-per-node", str(nproc), "-m", "lrmoe.cli", "train",
+            "--out", str(run_dir), "--no-progress", *train_flags(run.config)]
+
+
+def _missing_hardware(p: Preset, runs: list[RunSpec]) -> str | None:
+    """Why this machine cannot run the preset's torchrun launches (None: it can)."""
+    import torch
+
+    devices = {r.train_config().device for r in runs}
+    if any(d.startswith("cuda") for d in devices) or ("auto" in devices and torch.cuda.is_available()):
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n < p.nproc:
+            return f"this machine has {n} CUDA GPU(s) and each run needs {p.nproc}"
+    return None
+
+
+def _launch_torchrun(p: Preset, out: Path, all_runs: list[RunSpec], runs: list[RunSpec], pending: list[RunSpec],
+                     figures: bool) -> int:
+    """Not under torchrun: print one torchrun command per pending run, then run them one after
+    another (``python -m torch.distributed.run``, the same as ``torchrun``) when this machine has
+    the GPUs; otherwise exit with status 2 (the commands are the way to run the preset elsewhere)."""
+    import shlex
+    import subprocess
+
     from .bench.common import write_json
 
-    if preset not in PRESETS:
+    cmds = [(r, torchrun_command(r, out / r.name, p.nproc)) for r in pending]
+    if cmds:
+        print(f"  {len(cmds)} torchrun launch(es), one per run (each resumes from its checkpoint):", file=sys.stderr)
+    for _, c in cmds:
+        print(shlex.join(c), flush=True)
+    missing = _missing_hardware(p, pending)
+    if missing:
+        print(f"lrmoe reproduce: preset {p.name!r} trains every run with expert-parallel torchrun launches of "
+              f"{p.nproc} processes ({p.hardware}); {missing}, so nothing was run. Run the commands above on such "
+              f"a machine (from the repository root), or `lrmoe reproduce --preset {p.name}` there, which runs "
+              f"them one after another and then the figures.", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "manifest.json", {"preset": p.to_dict(), "runs": [dataclasses.asdict(r) for r in all_runs]})
+    t0, failures = time.perf_counter(), []
+    for r, c in cmds:
+        print(f"  {r.name}: launching", file=sys.stderr, flush=True)
+        rc = subprocess.run([sys.executable, "-m", "torch.distributed.run", *c[1:]]).returncode
+        if rc:
+            failures.append((r.name, f"torchrun exited with status {rc}"))
+            print(f"  {r.name}: FAILED (torchrun exited with status {rc})", file=sys.stderr)
+    return _finish(p, out, runs, pending, failures, time.perf_counter() - t0, 1, None, figures)
+
+
+def _finish(p, out, runs, pending, failures, wall, jobs, only, figures) -> int:
+    """reproduce.json, then the figures; the exit code."""
+    from .bench.common import write_json
+
+    prev = {}
+    try:
+        prev = json.loads((out / "reproduce.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        pass
+    write_json(out / "reproduce.json", {
+        "preset": p.name, "runs": len(runs), "ran_now": len(pending), "failed": failures,
+        "wall_s_last_call": wall, "wall_s_total": prev.get("wall_s_total", 0.0) + wall,
+        "jobs": jobs, "only": only})
+    print(f"preset {p.name}: {len(pending)} run(s) in {wall:.0f}s", file=sys.stderr)
+    if figures:
+        written = _paper_figures().make_all(out, out)
+        print(f"figures and tables: {len(written)} files under {out}/tables and {out}/figures", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_run: bool = False, data: str | None = None,
+              jobs: int | None = None, figures: bool = True, progress: bool = True) -> int:
+    """Run every pending run of ``preset`` (skipping finished ones), then the figures. Returns an exit code.
+
+    A torchrun preset (``paper``) launched from a shell prints one ``torchrun`` command per pending
+    run and runs them one after another when the machine has the GPUs (status 2 otherwise). Under
+    torchrun (``torchrun ... -m lrmoe.cli reproduce ...``), every rank runs the pending runs in
+    this process, one after another, over one process group; rank 0 writes the files."""
+    from .bench.common import write_json
+    from .parallel.train_ep import world_size_from_env
+
+    if isinstance(preset, str) and preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; accepted: {list(PRESETS)}")
     pl = plan(preset, out_dir, only, data)
     p, out, runs = pl["preset"], pl["out"], pl["runs"]
     done = [r for r in runs if pl["status"][r.name] == "done"]
     pending = [r for r in runs if pl["status"][r.name] != "done"]
-    jobs = max(1, jobs or p.jobs)
-    print(f"preset {p.name}: {p.description}", file=sys.stderr)
-    print(f"  hardware: {p.hardware}; cost: {p.cost}", file=sys.stderr)
-    print(f"  {len(runs)} runs -> {out}/ ({len(done)} done, {len(pending)} to run, {jobs} in parallel)",
-          file=sys.stderr)
+    under_torchrun = world_size_from_env() > 1
+    main = int(os.environ.get("RANK", "0")) == 0
+    jobs = 1 if under_torchrun or p.launcher == "torchrun" else max(1, jobs or p.jobs)
+    if main:
+        print(f"preset {p.name}: {p.description}", file=sys.stderr)
+        print(f"  hardware: {p.hardware}; cost: {p.cost}", file=sys.stderr)
+        print(f"  {len(runs)} runs -> {out}/ ({len(done)} done, {len(pending)} to run, {jobs} in parallel)",
+              file=sys.stderr)
     if dry_run:
         for r in runs:
             c = r.config
             print(f"  {r.name:28s} {','.join(r.experiments):6s} {pl['status'][r.name] or 'new':8s} "
                   f"model={c['model']} drop={c['drop_ratio']} scorer={c['scorer']} seed={c['seed']} "
                   f"steps={c['steps']}")
+            if p.launcher == "torchrun":
+                import shlex
+
+                print("    " + shlex.join(torchrun_command(r, out / r.name, p.nproc)))
         if pl["skip"]:
             print(f"  note: {pl['skip']}", file=sys.stderr)
         return 0
     if pl["skip"]:
         print(f"lrmoe reproduce: skipped: {pl['skip']}", file=sys.stderr)
         return 0
-    if p.launcher == "torchrun":
-        print("lrmoe reproduce: the 'paper' preset trains the full models with expert parallelism over 8 GPUs, "
-              "launched with torchrun. It needs the expert-parallel runtime inside the training loop (`lrmoe "
-              "train` over lrmoe.parallel, from the EP issue); this checkout's `lrmoe train` is single-process, "
-              "so nothing was run. `lrmoe reproduce --preset paper --dry-run` lists its runs; the 'gpu1' preset "
-              "runs the same experiments on one GPU with fewer layers.", file=sys.stderr)
-        return 2
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "manifest.json", {"preset": p.to_dict(), "runs": [dataclasses.asdict(r) for r in pl["all_runs"]]})
+    if p.launcher == "torchrun" and not under_torchrun:
+        return _launch_torchrun(p, out, pl["all_runs"], runs, pending, figures)
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(out / "manifest.json", {"preset": p.to_dict(),
+                                           "runs": [dataclasses.asdict(r) for r in pl["all_runs"]]})
 
     t0 = time.perf_counter()
     failures = []
     if pending:
-        _prepare_data(pending)
+        group = _init_group(pending) if under_torchrun else None  # one group for all runs of this process
+        if not under_torchrun:
+            _prepare_data(pending)  # (under torchrun, train prepares the data on one rank per node first)
         from tqdm import tqdm
 
         bar = tqdm(total=len(runs), initial=len(done), desc=f"reproduce {p.name}", unit="run",
-                   disable=not progress, dynamic_ncols=True)
+                   disable=not (progress and main), dynamic_ncols=True)
 
         def report(res):
             fin = res.get("final", {})
             bar.update(1)
-            bar.write(f"  {res['name']}: {res['status']} in {res['wall_s']:.0f}s, "
-                      f"final loss {fin.get('loss', float('nan')):.4f}, "
-                      f"mean PPL (final 10%) {fin.get('mean_ppl_final_10pct') or float('nan'):.4f}")
+            if main:
+                bar.write(f"  {res['name']}: {res['status']} in {res['wall_s']:.0f}s, "
+                          f"final loss {fin.get('loss', float('nan')):.4f}, "
+                          f"mean PPL (final 10%) {fin.get('mean_ppl_final_10pct') or float('nan'):.4f}")
 
         specs = [(dataclasses.asdict(r), str(out / r.name)) for r in pending]
         if jobs == 1:
             for spec, d in specs:
                 try:
-                    report(_run_one(spec, d, progress))
+                    report(_run_one(spec, d, progress and main))
                 except Exception as e:  # keep going: the tables say "not run" for it
+                    if under_torchrun:
+                        raise  # the other ranks cannot go on without this one
                     failures.append((spec["name"], repr(e)))
                     bar.write(f"  {spec['name']}: FAILED: {e!r}")
         else:
@@ -283,22 +392,22 @@ def reproduce(preset: str, out_dir=None, only: str | None = None, dry_run: bool 
                         failures.append((futs[f], repr(e)))
                         bar.write(f"  {futs[f]}: FAILED: {e!r}")
         bar.close()
-    wall = time.perf_counter() - t0
-    prev = {}
-    try:
-        prev = json.loads((out / "reproduce.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        pass
-    write_json(out / "reproduce.json", {
-        "preset": p.name, "runs": len(runs), "ran_now": len(pending), "failed": failures,
-        "wall_s_last_call": wall, "wall_s_total": prev.get("wall_s_total", 0.0) + wall,
-        "jobs": jobs, "only": only})
-    print(f"preset {p.name}: {len(pending)} run(s) in {wall:.0f}s", file=sys.stderr)
-    code = 1 if failures else 0
-    if figures:
-        written = _paper_figures().make_all(out, out)
-        print(f"figures and tables: {len(written)} files under {out}/tables and {out}/figures", file=sys.stderr)
-    return code
+        if group is not None:
+            group()
+    if not main:
+        return 0
+    return _finish(p, out, runs, pending, failures, time.perf_counter() - t0, jobs, only, figures)
+
+
+def _init_group(runs: list[RunSpec]):
+    """Under torchrun: the process group of every run of this process (a process group cannot be
+    created again after it was destroyed); returns the function that destroys it."""
+    from .parallel.launch import init_distributed, shutdown
+    from .train import resolve_device
+
+    cuda = any(resolve_device(r.train_config().device).type == "cuda" for r in runs)
+    init_distributed(backend="nccl" if cuda else "gloo")
+    return shutdown
 
 
 def _paper_figures():

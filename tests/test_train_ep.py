@@ -188,3 +188,54 @@ def test_cli_ep_flags():
     c = config_from_args(a).validate()
     assert (c.ep, c.placement, c.ep_budget_mib) == (8, "ultraep", 512.0)
     assert c.ep_options == {"min_tokens": 64, "fallback": "split_microbatch:2"}
+
+
+def test_paper_commands_rebuild_each_run_config():
+    import argparse
+    import shlex
+
+    from lrmoe.reproduce import plan, torchrun_command
+    from lrmoe.train import config_from_args, register_cli
+
+    ap = argparse.ArgumentParser()
+    register_cli(ap.add_subparsers(dest="command"))
+    pl = plan("paper", "/tmp/results-paper", data="alpaca.json")
+    assert len(pl["runs"]) == 34
+    for r in pl["runs"]:
+        cmd = torchrun_command(r, pl["out"] / r.name, 8)
+        assert cmd[:6] == ["torchrun", "--standalone", "--nproc-per-node", "8", "-m", "lrmoe.cli"]
+        assert shlex.split(shlex.join(cmd)) == cmd
+        args = ap.parse_args(cmd[6:])
+        assert args.out == str(pl["out"] / r.name)
+        cfg = config_from_args(args)
+        assert cfg.to_dict() == r.train_config().to_dict(), r.name
+        assert (cfg.ep, cfg.placement, cfg.micro_batch // cfg.ep) == (8, "lrmoe", 4)  # 4 rows per GPU
+
+
+def test_reproduce_runs_a_torchrun_preset(tmp_path, monkeypatch, capsys):
+    """A 2-process torchrun preset on the CPU: reproduce prints and runs one torchrun launch per run."""
+    import json
+
+    from lrmoe.reproduce import Preset, reproduce
+
+    if not TINY.exists():
+        pytest.skip(f"offline Alpaca sample not found at {TINY}")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LRMOE_ALPACA"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("LRMOE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.chdir(ROOT)
+    base = dict(tokenizer="bpe:300", seq_len=64, micro_batch=4, steps=2, warmup_steps=1, heldout_fraction=0.1,
+                eval_batches=1, threads=1, device="cpu", ep=2, placement="lrmoe")
+    preset = Preset("ep-tiny", "2-process EP check", {"qwen3": "qwen3-moe-tiny"}, base, "alpaca/alpaca_tiny.json",
+                    families=("qwen3",), e1_drops=(0.2,), e2_seeds=(), launcher="torchrun", nproc=2)
+    out = tmp_path / "out"
+    assert reproduce(preset, out, figures=False, progress=False) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert len(printed) == 1 and printed[0].startswith("torchrun --standalone --nproc-per-node 2 -m lrmoe.cli train")
+    assert "--ep 2 --placement lrmoe" in printed[0]
+    s = json.loads((out / "qwen3-C20-lrm-s0" / "summary.json").read_text())
+    assert s["status"] == "done" and s["distributed"]["ep"] == 2
+    assert json.loads((out / "reproduce.json").read_text())["failed"] == []
+    assert reproduce(preset, out, figures=False, progress=False) == 0  # nothing left to run
+    assert capsys.readouterr().out == ""
