@@ -8,6 +8,10 @@ call). A run whose ``summary.json`` says ``done`` is skipped, so a killed ``repr
 (an unfinished run continues from its checkpoint). Then ``lrmoe figures`` writes the tables and
 figures into ``<out>/tables`` and ``<out>/figures``.
 
+A torchrun preset (``paper``: 8 processes, ``--ep 8``) is launched one ``torchrun`` per run: from
+a shell, ``reproduce`` prints the command of every pending run and runs them when the machine has
+the GPUs (status 2 otherwise); under torchrun, the ranks train the runs in-process.
+
 Experiments (paper.md):
   E1 convergence: drop 0 / 0.1 / 0.2 / 0.3 (C0-C30), LRM scorer, waterfill quotas -> T1, F2, F1.
   E2 scorer ablation at C20: lrm, grad_norm, abs_grad, random, on both families, several seeds,

@@ -913,7 +913,10 @@ def _train(cfg: TrainConfig, out: Path, runner, progress: bool, stop_after: int 
     checkpoint()
     s = write_summary("done" if step >= cfg.steps else "running")
     runner.barrier()
-    return s if main else _read_json(summary_path)
+    if main:
+        return s
+    # other ranks: rank 0's summary (a folder on a shared file system), else the essentials
+    return _read_json(summary_path) or {"status": "done" if step >= cfg.steps else "running", "steps_done": step}
 
 
 # ----------------------------------------------------------------------------- CLI
