@@ -23,8 +23,13 @@ venv: $(VENV)/.installed
 test: venv
 	OMP_NUM_THREADS=2 $(VPY) -m pytest -q tests
 
+# glibc returns every freed tensor above 32 MB to the kernel, so each step page-faults its
+# buffers in again and CPU timings swing by +-30 %; keeping freed memory in the heap (what a
+# caching allocator does) makes the comparison stable. See docs/benchmarks.md.
+BENCH_ENV ?= MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1000000000000
+
 bench: venv
-	OMP_NUM_THREADS=2 $(VENV)/bin/lrmoe bench layer --threads 2 --out results/bench
+	$(BENCH_ENV) OMP_NUM_THREADS=2 $(VENV)/bin/lrmoe bench layer --threads 2 --out results/bench
 
 reproduce: venv
 	$(VENV)/bin/lrmoe reproduce --preset $(PRESET)

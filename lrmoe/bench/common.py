@@ -52,6 +52,8 @@ def environment(device: torch.device) -> dict:
         "threads": torch.get_num_threads(),
         "device": str(device),
         "git": git_revision(),
+        # Allocator settings change CPU timings a lot (see docs/benchmarks.md): record them.
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "OMP_", "MKL_", "LD_PRELOAD"))},
     }
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
