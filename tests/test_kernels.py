@@ -129,4 +129,6 @@ def test_sum_rows_by_token(dtype):
         out = sum_rows_by_token(rows, rows_pair, T, K)
         torch.testing.assert_close(out, sum_rows_by_token_loop(rows, rows_pair, T, K))
         torch.testing.assert_close(sum_rows_by_token(rows, rows_pair, T, K, workspace=torch.randn_like(rows)), out)
+        for method in ("index_add", "segment_reduce"):  # the CPU and the accelerator reduction
+            torch.testing.assert_close(sum_rows_by_token(rows, rows_pair, T, K, method=method), out)
         assert out.shape == (T, 5)
