@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .kernels.grouped_gemm import grouped_mm, resolve_backend
-from .kernels.routing import kept_positions, select_top_quota, sort_pairs_by_expert, sum_rows_by_token
+from .kernels.routing import count_by_value, kept_positions, select_top_quota, sort_pairs_by_expert, sum_rows_by_token
 from .policy import BackwardPolicy, BackwardRecord
 from .quota import quota_for, retained_total
 from .scorers import ScoreInputs, get_scorer
@@ -42,7 +42,9 @@ def _check_inputs(hidden_TH, top_k_index_TK, top_k_weights_TK, gate_up_proj, dow
                          f"{tuple(top_k_index_TK.shape)} and {tuple(top_k_weights_TK.shape)}")
     if top_k_index_TK.dtype.is_floating_point or top_k_index_TK.dtype == torch.bool:
         raise ValueError(f"top_k_index must be an integer tensor, got {top_k_index_TK.dtype}")
-    if top_k_index_TK.device.type == "cpu" and top_k_index_TK.numel():
+    # The range check reads the indices on the host: free on CPU; on accelerators it would cost a
+    # synchronisation per layer call, so it runs there only under torch.autograd.set_detect_anomaly.
+    if (top_k_index_TK.device.type == "cpu" or torch.is_anomaly_enabled()) and top_k_index_TK.numel():
         lo, hi = int(top_k_index_TK.min()), int(top_k_index_TK.max())
         if lo < 0 or hi >= E:
             raise ValueError(f"expert indices must be in [0, {E - 1}], got values in [{lo}, {hi}]")
@@ -88,6 +90,26 @@ def buffer_bytes(N: int, H: int, I: int, itemsize: int) -> int:
     return N * (H + H + 2 * I + I + I + 2 * I + H) * itemsize
 
 
+def nonfinite_rows(g_TH: torch.Tensor) -> torch.Tensor:
+    """bool [T]: rows holding a NaN/Inf (via one min/max reduction: no [T, H] temporaries)."""
+    if g_TH.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.bool, device=g_TH.device)
+    lo, hi = torch.aminmax(g_TH, dim=-1)
+    return ~(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+def score_pairs(policy: BackwardPolicy, alpha_TK, g_TH, phi_norm2_TK, hidden_TH, top_k_index_TK,
+                bad_T: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 scores [T, K] by the policy's scorer; a token whose gradient holds a NaN/Inf scores
+    +inf whatever the scorer (e.g. random), so it is kept and counted, never silently dropped."""
+    T, K = top_k_index_TK.shape
+    inputs = ScoreInputs(alpha_TK, g_TH, phi_norm2_TK, hidden_TH, top_k_index_TK,
+                         generator=policy.generator(g_TH.device))
+    scores_TK = get_scorer(policy.scorer)(inputs, **policy.scorer_kwargs).float().reshape(T, K)
+    bad_T = nonfinite_rows(g_TH) if bad_T is None else bad_T
+    return scores_TK.masked_fill(bad_T.unsqueeze(1), float("inf"))
+
+
 class Stopwatch:
     """Phase timings of one backward (only when ``policy.profile``; synchronises the device)."""
 
@@ -116,12 +138,16 @@ class _SelectiveExperts(torch.autograd.Function):
         perm_P, demand_E, offs_E = sort_pairs_by_expert(top_k_index_TK, E)
         P = T * K
         n_keep = retained_total(P, policy.drop_ratio) if policy.selects else P
-        quota_E = quota_for(demand_E, n_keep, policy.quota, **policy.quota_kwargs) if n_keep < P else demand_E
+        quota_E = (quota_for(demand_E, n_keep, policy.quota, drop_ratio=policy.drop_ratio, **policy.quota_kwargs)
+                   if n_keep < P else demand_E)
 
         token_P = perm_P // K  # token of each pair, in sorted order
         x_TH = hidden_TH.to(w_dtype)
-        backend = resolve_backend(policy.backend, x_TH, gate_up_proj)
-        fused = policy.fuse_gather if policy.fuse_gather is not None else backend == "triton"
+        # Each GEMM resolves "auto" for its own operands (an odd intermediate size can rule out
+        # F.grouped_mm for the down projection but not for the gate/up one).
+        backend = policy.backend
+        fused = (policy.fuse_gather if policy.fuse_gather is not None
+                 else resolve_backend(backend, x_TH, gate_up_proj) == "triton")
         if fused:  # token rows read inside the GEMM's loads; no gathered copy of X
             X = None
             GU = grouped_mm(x_TH, gate_up_proj.transpose(1, 2), offs_E, backend=backend, a_index=token_P)
@@ -172,12 +198,11 @@ class _SelectiveExperts(torch.autograd.Function):
             grad_alpha = torch.bmm(O_TKH.to(acc), g_TH.to(acc).unsqueeze(-1)).squeeze(-1).to(alpha_TK.dtype)
         watch.lap("router_grad")
 
-        # 2. Scores and selection.
+        # 2. Scores and selection (non-finite gradients rank first whatever the scorer).
         scores_TK = keep_P = None
+        bad_T = nonfinite_rows(g_TH)
         if phi_norm2_TK is not None:
-            inputs = ScoreInputs(alpha_TK, g_TH, phi_norm2_TK, hidden_TH, top_k_index_TK,
-                                 generator=policy.generator(g_TH.device))
-            scores_TK = get_scorer(policy.scorer)(inputs, **policy.scorer_kwargs).float().reshape(T, K)
+            scores_TK = score_pairs(policy, alpha_TK, g_TH, phi_norm2_TK, hidden_TH, top_k_index_TK, bad_T)
             if n_keep < P:
                 keep_P = select_top_quota(scores_TK.reshape(-1), top_k_index_TK.reshape(-1), quota_E)
         watch.lap("score_select")
@@ -217,12 +242,11 @@ class _SelectiveExperts(torch.autograd.Function):
         if record is not None:
             if keep_P is None:
                 keep_P = torch.ones(P, dtype=torch.bool, device=g_TH.device)
-            kept_E = torch.bincount(top_k_index_TK.reshape(-1)[keep_P], minlength=E)
+            kept_E = count_by_value(top_k_index_TK.reshape(-1), E, weights=keep_P)
             if scores_TK is not None:
                 nonfinite = (~torch.isfinite(scores_TK)).sum()
             else:
-                lo, hi = torch.aminmax(g_TH, dim=-1)  # non-finite iff NaN/Inf anywhere in the row (cheap)
-                nonfinite = (~(torch.isfinite(lo) & torch.isfinite(hi))).sum() * K
+                nonfinite = bad_T.sum() * K
             record.fill(demand=demand_E, quota=quota_E, kept=kept_E, kept_mask=keep_P.view(T, K),
                         scores=scores_TK, nonfinite=nonfinite, mode=policy.mode, drop_ratio=policy.drop_ratio,
                         buffer_bytes=buffer_bytes(G.shape[0], H, I2 // 2, G.element_size()), timings=watch.times)
@@ -238,7 +262,7 @@ def lrmoe_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_w
     gate_up_proj [E, 2I, H] (gate half first); down_proj [E, H, I]. Returns y_TH [T, H] with
     y_t = sum_k alpha_{t,k} expert_{e_{t,k}}(x_t). ``record`` (a fresh :class:`BackwardRecord`)
     is filled when the backward runs."""
-    policy = policy if policy is not None else BackwardPolicy()
+    policy = (policy if policy is not None else BackwardPolicy()).validate()
     _check_inputs(hidden_TH, top_k_index_TK, top_k_weights_TK, gate_up_proj, down_proj)
     return _SelectiveExperts.apply(hidden_TH, top_k_weights_TK, gate_up_proj, down_proj,
                                    top_k_index_TK.to(torch.int64), policy, record)

@@ -46,6 +46,11 @@ class BackwardPolicy:
     profile: bool = False
 
     def __post_init__(self):
+        self.validate()
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def validate(self) -> "BackwardPolicy":
+        """Check every field (also called on each use, so a policy mutated after creation is re-checked)."""
         self.drop_ratio = check_drop_ratio(self.drop_ratio)
         get_scorer(self.scorer)
         get_quota_policy(self.quota)
@@ -55,7 +60,9 @@ class BackwardPolicy:
             raise ValueError(f"unknown grouped_mm backend {self.backend!r}; accepted: {list(BACKENDS)}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
-        self._generators: dict[torch.device, torch.Generator] = {}
+        if self.fuse_gather not in (None, True, False):
+            raise ValueError(f"fuse_gather must be None, True or False, got {self.fuse_gather!r}")
+        return self
 
     def __getstate__(self):  # generators are device state, not configuration
         state = dict(self.__dict__)

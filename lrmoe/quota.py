@@ -12,7 +12,10 @@ cluster simulator (planners call them with numpy arrays; they are converted and 
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import math
+from fractions import Fraction
 from typing import Callable
 
 import numpy as np
@@ -36,12 +39,20 @@ def check_drop_ratio(drop_ratio: float) -> float:
     return float(drop_ratio)
 
 
-def retained_total(num_pairs: int, drop_ratio: float) -> int:
-    """round((1 - drop_ratio) * num_pairs), halves rounded up: the exact number of pairs kept."""
+def keep_fraction(drop_ratio: float) -> Fraction:
+    """1 - drop_ratio as an exact fraction of the decimal the user wrote (0.3 -> 7/10, 1/3 -> 2/3).
+
+    Rounding on the float product instead would turn 31.5 into 31.499999 (P=45, rho=0.3)."""
     check_drop_ratio(drop_ratio)
+    return 1 - Fraction(repr(float(drop_ratio))).limit_denominator(1_000_000)
+
+
+def retained_total(num_pairs: int, drop_ratio: float) -> int:
+    """round((1 - drop_ratio) * num_pairs), halves rounded up, in exact arithmetic: the number of pairs kept."""
+    keep = keep_fraction(drop_ratio)
     if num_pairs < 0:
         raise ValueError(f"num_pairs must be >= 0, got {num_pairs}")
-    return min(int(num_pairs), int(math.floor((1.0 - drop_ratio) * num_pairs + 0.5)))
+    return min(int(num_pairs), math.floor(keep * int(num_pairs) + Fraction(1, 2)))
 
 
 def _top_ranks(priority_E: torch.Tensor, eligible_E: torch.Tensor) -> torch.Tensor:
@@ -57,17 +68,23 @@ def _top_ranks(priority_E: torch.Tensor, eligible_E: torch.Tensor) -> torch.Tens
 
 
 @register_quota_policy("proportional")
-def proportional_quota(demand_E: torch.Tensor, n_keep: int) -> torch.Tensor:
-    """Every expert keeps (n_keep / P) of its demand, rounded by largest remainder.
+def proportional_quota(demand_E: torch.Tensor, n_keep: int, drop_ratio: float | None = None) -> torch.Tensor:
+    """Every expert keeps the same fraction of its demand, rounded by largest remainder.
 
-    |q_e - d_e * n_keep / P| < 1 for every expert; remainder ties go to the lower expert index."""
+    With ``drop_ratio`` (and n_keep = retained_total(P, drop_ratio)) the fraction is exactly
+    1 - drop_ratio, so |q_e - (1 - drop_ratio) d_e| < 1 for every expert; without it (e.g. a
+    planner that shrank n_keep) the fraction is n_keep / P. Remainder ties go to the lower
+    expert index. Exact integer arithmetic, no host synchronisation."""
     d = demand_E.to(torch.int64)
-    P = d.sum()
     if int(n_keep) == 0:
         return torch.zeros_like(d)
-    P_safe = torch.clamp(P, min=1)
-    base = (d * n_keep) // P_safe  # exact integer floor of d * n_keep / P
-    rem = (d * n_keep) % P_safe  # remainder numerators, comparable across experts
+    if drop_ratio is not None:
+        keep = keep_fraction(drop_ratio)
+        num, den = keep.numerator, torch.as_tensor(keep.denominator, dtype=torch.int64, device=d.device)
+    else:
+        num, den = n_keep, torch.clamp(d.sum(), min=1)
+    base = (d * num) // den  # exact integer floor of the target share
+    rem = (d * num) % den  # remainder numerators, comparable across experts
     missing = n_keep - base.sum()
     rank = _top_ranks(rem, rem > 0)
     return base + (rank < missing).to(torch.int64)
@@ -114,20 +131,30 @@ def compute_quota(demand_E, drop_ratio: float, policy: str = "waterfill", **kwar
     if d.dim() != 1:
         raise ValueError(f"demand must be a 1-D per-expert count, got shape {tuple(d.shape)}")
     n_keep = retained_total(int(d.sum()), drop_ratio)
-    q = quota_for(d, n_keep, policy, **kwargs)
+    q = quota_for(d, n_keep, policy, drop_ratio=drop_ratio, **kwargs)
     return q.numpy() if as_numpy else q
 
 
-def quota_for(demand_E: torch.Tensor, n_keep: int, policy: str = "waterfill", **kwargs) -> torch.Tensor:
+def quota_for(demand_E: torch.Tensor, n_keep: int, policy: str = "waterfill", *, drop_ratio: float | None = None,
+              **kwargs) -> torch.Tensor:
     """Quotas summing to ``n_keep`` (host-known), without host synchronisation on accelerators.
 
-    The contract is checked when the demand lives on the CPU (where checking is free)."""
+    ``drop_ratio`` (pass it when n_keep == retained_total(P, drop_ratio)) reaches the policies
+    whose signature accepts it. The contract is checked when the demand lives on the CPU."""
     fn = get_quota_policy(policy)
     d = demand_E.to(torch.int64)
+    if drop_ratio is not None and _accepts_drop_ratio(fn):
+        kwargs["drop_ratio"] = drop_ratio
     q = fn(d, n_keep, **kwargs).to(torch.int64)
     if d.device.type == "cpu":
         _check_quota(d, q, n_keep, policy)
     return q
+
+
+@functools.lru_cache(maxsize=None)
+def _accepts_drop_ratio(fn) -> bool:
+    params = inspect.signature(fn).parameters
+    return "drop_ratio" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def _check_quota(d: torch.Tensor, q: torch.Tensor, n_keep: int, policy: str) -> None:

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .kernels.routing import count_by_value
+
 ROUTERS = ("softmax", "sigmoid")
 
 
@@ -46,6 +48,9 @@ class SigmoidTopKRouter(nn.Module):
         if num_experts % n_group or not (1 <= topk_group <= n_group):
             raise ValueError(f"n_group must divide num_experts and 1 <= topk_group <= n_group, got "
                              f"num_experts={num_experts}, n_group={n_group}, topk_group={topk_group}")
+        if top_k > topk_group * (num_experts // n_group):
+            raise ValueError(f"top_k={top_k} exceeds the experts of the topk_group={topk_group} selected groups "
+                             f"({topk_group} x {num_experts // n_group})")
         self.top_k, self.num_experts, self.norm_topk_prob = top_k, num_experts, norm_topk_prob
         self.routed_scaling_factor, self.n_group, self.topk_group = routed_scaling_factor, n_group, topk_group
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
@@ -87,7 +92,7 @@ def load_balancing_loss(router_logits_TE: torch.Tensor, top_k_index_TK: torch.Te
     f_i: fraction of routed pairs sent to expert i; P_i: mean router probability of expert i.
     Equals Megatron's ``E / (k T^2) * sum_i (sum_t p_ti) * count_i``; 1.0 under perfect balance."""
     probs = torch.softmax(router_logits_TE.float(), dim=-1)
-    counts = torch.bincount(top_k_index_TK.reshape(-1), minlength=num_experts).to(probs.dtype)
+    counts = count_by_value(top_k_index_TK.reshape(-1), num_experts).to(probs.dtype)
     f = counts / top_k_index_TK.numel()
     return num_experts * (f * probs.mean(0)).sum()
 

@@ -132,6 +132,8 @@ def test_layer_bad_inputs():
         LRMoELayer(8, 4, 4, 0)
     with pytest.raises(ValueError, match=r"unknown router 'relu'; accepted: \['softmax', 'sigmoid'\]"):
         LRMoELayer(8, 4, 4, 2, router="relu")
+    with pytest.raises(ValueError, match="top_k=3 exceeds the experts of the topk_group=1 selected groups"):
+        LRMoELayer(8, 4, 4, 3, router="sigmoid", n_group=2, topk_group=1)
     layer = LRMoELayer(8, 4, 4, 2)
     with pytest.raises(ValueError, match="last dimension must be hidden_size=8"):
         layer(torch.randn(3, 7))

@@ -1,5 +1,6 @@
 """Quota policies: the contract, each policy's defining property, the registry."""
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -19,14 +20,17 @@ def random_demands(n=200):
         yield d, float(torch.rand((), generator=g)) * 0.99
 
 
-def test_retained_total_rounds_half_up():
+def test_retained_total_rounds_half_up_exactly():
     assert retained_total(10, 0.25) == 8  # 7.5 -> 8
-    assert retained_total(10, 0.2) == 8
+    assert retained_total(45, 0.3) == 32  # 31.5 -> 32 (the float product is 31.499999...)
+    assert retained_total(15, 0.9) == 2  # 1.5 -> 2
+    assert retained_total(5, 0.9) == 1  # 0.5 -> 1
     assert retained_total(9, 0.0) == 9
     assert retained_total(0, 0.5) == 0
-    for P in range(0, 50):
-        for rho in (0.1, 0.2, 0.3, 0.5, 0.9):
-            assert retained_total(P, rho) == math.floor((1 - rho) * P + 0.5)
+    for P in range(0, 120):
+        for rho in ("0.1", "0.2", "0.3", "0.5", "0.7", "0.9", "0.95"):
+            exact = (1 - Fraction(rho)) * P + Fraction(1, 2)
+            assert retained_total(P, float(rho)) == math.floor(exact), (P, rho)
 
 
 @pytest.mark.parametrize("policy", ["waterfill", "proportional"])
@@ -41,9 +45,10 @@ def test_contract(policy):
 def test_proportional_is_within_one_of_the_exact_share():
     for d, rho in random_demands():
         q = compute_quota(d, rho, "proportional")
-        n = int(q.sum())
-        exact = d.double() * n / max(int(d.sum()), 1)
+        exact = d.double() * (1 - rho)  # the issue's property: |q_e - (1 - rho) d_e| < 1
         assert ((q.double() - exact).abs() < 1).all(), (d, rho, q)
+    # A case where rounding n_keep / P instead of (1 - rho) would miss by 1.12:
+    assert compute_quota(torch.tensor([1, 48, 1]), 0.69, "proportional").tolist() == [1, 15, 0]
 
 
 def test_waterfill_is_a_common_cap():

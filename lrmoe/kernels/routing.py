@@ -9,11 +9,20 @@ from __future__ import annotations
 import torch
 
 
+def count_by_value(values_N: torch.Tensor, n: int, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 ``counts[v] = #{i : values_N[i] == v}`` (or the sum of integer/bool ``weights``) for v < n.
+
+    Unlike ``torch.bincount``, never synchronises with the host on accelerators (integer
+    ``index_add_`` is exact and deterministic)."""
+    ones = torch.ones_like(values_N, dtype=torch.int64) if weights is None else weights.to(torch.int64)
+    return torch.zeros(n, dtype=torch.int64, device=values_N.device).index_add_(0, values_N, ones)
+
+
 def sort_pairs_by_expert(top_k_index_TK: torch.Tensor, num_experts: int):
     """Returns ``perm_P`` (pair ids in sorted order), ``demand_E`` (int64) and ``offs_E`` (int32 ends)."""
     expert_P = top_k_index_TK.reshape(-1)
     perm_P = torch.argsort(expert_P, stable=True)
-    demand_E = torch.bincount(expert_P, minlength=num_experts)
+    demand_E = count_by_value(expert_P, num_experts)
     offs_E = torch.cumsum(demand_E, 0).to(torch.int32)
     return perm_P, demand_E, offs_E
 
@@ -42,7 +51,7 @@ def select_top_quota(scores_P: torch.Tensor, expert_P: torch.Tensor, quota_E: to
     key = (expert_P.to(torch.int64) << 32) | _descending_int_keys(rank_keys(scores_P))
     order = torch.argsort(key, stable=True)  # expert-major, best first, lower pair index on ties
     e_sorted = expert_P.index_select(0, order)
-    counts_E = torch.bincount(expert_P, minlength=E)
+    counts_E = count_by_value(expert_P, E)
     start_E = torch.cumsum(counts_E, 0) - counts_E
     rank = torch.arange(P, device=scores_P.device) - start_E.index_select(0, e_sorted)
     keep = torch.empty(P, dtype=torch.bool, device=scores_P.device)
@@ -93,7 +102,7 @@ def sum_rows_by_token(rows_NH: torch.Tensor, rows_pair_N: torch.Tensor, num_toke
     token_N = rows_pair_N.index_select(0, order) // top_k  # non-decreasing
     if method == "index_add":
         return rows_NH.new_zeros(num_tokens, rows_NH.shape[1]).index_add_(0, token_N, ordered)
-    lengths = torch.bincount(token_N, minlength=num_tokens)
+    lengths = count_by_value(token_N, num_tokens)
     return torch.segment_reduce(ordered, "sum", lengths=lengths, axis=0)
 
 

@@ -50,11 +50,16 @@ from .plan import (Cluster, ModelDims, largest_remainder, locality_split, make_p
 _EPS = 1e-9
 
 
-def _quota(d_E: np.ndarray, n_keep: int, policy: str, options: dict) -> np.ndarray:
-    """Quotas summing exactly to n_keep from the quota policy (the single-process layer's code)."""
-    if n_keep >= int(d_E.sum()):
+def _quota(d_E: np.ndarray, n_keep: int, policy: str, options: dict, drop_ratio: float) -> np.ndarray:
+    """Quotas summing exactly to n_keep from the quota policy (the single-process layer's code).
+
+    At the policy's own n_keep the drop ratio is passed on, so the quotas equal the layer's."""
+    P = int(d_E.sum())
+    if n_keep >= P:
         return d_E.copy()
-    return quota_for(torch.from_numpy(np.ascontiguousarray(d_E, dtype=np.int64)), n_keep, policy, **options).numpy()
+    exact = n_keep == retained_total(P, drop_ratio)
+    return quota_for(torch.from_numpy(np.ascontiguousarray(d_E, dtype=np.int64)), n_keep, policy,
+                     drop_ratio=drop_ratio if exact else None, **options).numpy()
 
 
 def _greedy(tau, cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, domain_G, rep_bytes, budget,
@@ -191,7 +196,7 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
               info={"drop_ratio": drop_ratio, "quota_policy": quota_policy})
 
     def plan_keep(d_GE, n_keep):
-        q_E = _quota(d_GE.sum(0), n_keep, quota_policy, quota_options)
+        q_E = _quota(d_GE.sum(0), n_keep, quota_policy, quota_options, drop_ratio)
         return _plan_with_quota(d_GE, q_E, cluster, dims, budget_bytes, **kw)
 
     def build(d_GE, row_cap):

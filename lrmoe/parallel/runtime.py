@@ -45,11 +45,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..experts import acc_dtype, Stopwatch, swiglu, buffer_bytes, expert_backward
+from ..experts import acc_dtype, Stopwatch, swiglu, buffer_bytes, expert_backward, score_pairs
 from ..kernels.grouped_gemm import grouped_mm
 from ..kernels.routing import select_top_quota, sort_pairs_by_expert, sum_rows_by_token
 from ..policy import BackwardPolicy, BackwardRecord
-from ..scorers import ScoreInputs, get_scorer
 from .memory import plan_memory
 from .plan import Cluster, ModelDims, Plan, expert_sum, get_placement, largest_remainder, plan_placement
 
@@ -448,8 +447,7 @@ class _EPExperts(torch.autograd.Function):
         bucket_P = torch.full((P,), lay.n_buckets, dtype=torch.int64, device=dev)
         bucket_P.index_copy_(0, send_pair, lay.send_inst)
         if policy.selects:
-            inputs = ScoreInputs(alpha_TK, g_TH, phi_TK, hidden_TH, idx_TK, generator=policy.generator(dev))
-            scores_TK = get_scorer(policy.scorer)(inputs, **policy.scorer_kwargs).float().reshape(T, K)
+            scores_TK = score_pairs(policy, alpha_TK, g_TH, phi_TK, hidden_TH, idx_TK)
             keep_P = select_top_quota(scores_TK.reshape(-1), bucket_P, lay.quota_B)
         else:
             keep_P = bucket_P < lay.n_buckets  # every computed pair
