@@ -23,7 +23,7 @@ from .kernels.grouped_gemm import grouped_mm, resolve_backend
 from .kernels.routing import count_by_value, kept_positions, select_top_quota, sort_pairs_by_expert, sum_rows_by_token
 from .policy import BackwardPolicy, BackwardRecord
 from .quota import quota_for, retained_total
-from .scorers import ScoreInputs, get_scorer
+from .scorers import ScoreInputs, get_scorer, grad_norm2
 
 
 def _check_inputs(hidden_TH, top_k_index_TK, top_k_weights_TK, gate_up_proj, down_proj):
@@ -90,24 +90,16 @@ def buffer_bytes(N: int, H: int, I: int, itemsize: int) -> int:
     return N * (H + H + 2 * I + I + I + 2 * I + H) * itemsize
 
 
-def nonfinite_rows(g_TH: torch.Tensor) -> torch.Tensor:
-    """bool [T]: rows holding a NaN/Inf (via one min/max reduction: no [T, H] temporaries)."""
-    if g_TH.shape[0] == 0:
-        return torch.zeros(0, dtype=torch.bool, device=g_TH.device)
-    lo, hi = torch.aminmax(g_TH, dim=-1)
-    return ~(torch.isfinite(lo) & torch.isfinite(hi))
-
-
 def score_pairs(policy: BackwardPolicy, alpha_TK, g_TH, phi_norm2_TK, hidden_TH, top_k_index_TK,
-                bad_T: torch.Tensor | None = None) -> torch.Tensor:
+                g_norm2_T: torch.Tensor | None = None) -> torch.Tensor:
     """float32 scores [T, K] by the policy's scorer; a token whose gradient holds a NaN/Inf scores
     +inf whatever the scorer (e.g. random), so it is kept and counted, never silently dropped."""
     T, K = top_k_index_TK.shape
+    g_norm2_T = grad_norm2(g_TH) if g_norm2_T is None else g_norm2_T
     inputs = ScoreInputs(alpha_TK, g_TH, phi_norm2_TK, hidden_TH, top_k_index_TK,
-                         generator=policy.generator(g_TH.device))
+                         generator=policy.generator(g_TH.device), grad_norm2_T=g_norm2_T)
     scores_TK = get_scorer(policy.scorer)(inputs, **policy.scorer_kwargs).float().reshape(T, K)
-    bad_T = nonfinite_rows(g_TH) if bad_T is None else bad_T
-    return scores_TK.masked_fill(bad_T.unsqueeze(1), float("inf"))
+    return scores_TK.masked_fill(~torch.isfinite(g_norm2_T).unsqueeze(1), float("inf"))
 
 
 class Stopwatch:
@@ -200,9 +192,9 @@ class _SelectiveExperts(torch.autograd.Function):
 
         # 2. Scores and selection (non-finite gradients rank first whatever the scorer).
         scores_TK = keep_P = None
-        bad_T = nonfinite_rows(g_TH)
+        g_norm2_T = grad_norm2(g_TH)  # also flags NaN/Inf rows (one fused reduction)
         if phi_norm2_TK is not None:
-            scores_TK = score_pairs(policy, alpha_TK, g_TH, phi_norm2_TK, hidden_TH, top_k_index_TK, bad_T)
+            scores_TK = score_pairs(policy, alpha_TK, g_TH, phi_norm2_TK, hidden_TH, top_k_index_TK, g_norm2_T)
             if n_keep < P:
                 keep_P = select_top_quota(scores_TK.reshape(-1), top_k_index_TK.reshape(-1), quota_E)
         watch.lap("score_select")
@@ -246,7 +238,7 @@ class _SelectiveExperts(torch.autograd.Function):
             if scores_TK is not None:
                 nonfinite = (~torch.isfinite(scores_TK)).sum()
             else:
-                nonfinite = bad_T.sum() * K
+                nonfinite = (~torch.isfinite(g_norm2_T)).sum() * K
             record.fill(demand=demand_E, quota=quota_E, kept=kept_E, kept_mask=keep_P.view(T, K),
                         scores=scores_TK, nonfinite=nonfinite, mode=policy.mode, drop_ratio=policy.drop_ratio,
                         buffer_bytes=buffer_bytes(G.shape[0], H, I2 // 2, G.element_size()), timings=watch.times)

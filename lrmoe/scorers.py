@@ -28,9 +28,16 @@ scorers = _SCORERS.names
 get_scorer = _SCORERS.get
 
 
+def grad_norm2(g_TH: torch.Tensor) -> torch.Tensor:
+    """||g_t||^2 per row in float32 (one fused reduction; NaN/Inf rows give NaN/Inf)."""
+    acc = torch.promote_types(g_TH.dtype, torch.float32)  # fp32 for 16-bit gradients, fp64 stays exact
+    return torch.linalg.vector_norm(g_TH, dim=-1, dtype=acc).float().square()
+
+
 @dataclass
 class ScoreInputs:
-    """Everything a scorer may look at, in pair layout [T, K]; norms are computed on first use (fp32)."""
+    """Everything a scorer may look at, in pair layout [T, K] (norms in fp32; ``grad_norm2_T`` is
+    filled on construction, ``input_norm2_T`` on first use)."""
 
     alpha_TK: torch.Tensor  # routing weights
     grad_TH: torch.Tensor  # dL/dy at the MoE output
@@ -39,11 +46,11 @@ class ScoreInputs:
     top_k_index_TK: torch.Tensor
     generator: torch.Generator | None = None
     extras: dict = field(default_factory=dict)
+    grad_norm2_T: torch.Tensor | None = None  # ||g_t||^2 (fp32); computed here when not given
 
-    @cached_property
-    def grad_norm2_T(self) -> torch.Tensor:
-        g = self.grad_TH.float()
-        return (g * g).sum(-1)
+    def __post_init__(self):
+        if self.grad_norm2_T is None:
+            self.grad_norm2_T = grad_norm2(self.grad_TH)
 
     @cached_property
     def input_norm2_T(self) -> torch.Tensor:
