@@ -23,7 +23,7 @@ from .kernels.grouped_gemm import grouped_mm, resolve_backend
 from .kernels.routing import count_by_value, kept_positions, select_top_quota, sort_pairs_by_expert, sum_rows_by_token
 from .policy import BackwardPolicy, BackwardRecord
 from .quota import quota_for, retained_total
-from .scorers import ScoreInputs, get_scorer, grad_norm2
+from .scorers import ScoreInputs, get_scorer, row_norm2
 
 
 def _check_inputs(hidden_TH, top_k_index_TK, top_k_weights_TK, gate_up_proj, down_proj):
@@ -95,7 +95,7 @@ def score_pairs(policy: BackwardPolicy, alpha_TK, g_TH, phi_norm2_TK, hidden_TH,
     """float32 scores [T, K] by the policy's scorer; a token whose gradient holds a NaN/Inf scores
     +inf whatever the scorer (e.g. random), so it is kept and counted, never silently dropped."""
     T, K = top_k_index_TK.shape
-    g_norm2_T = grad_norm2(g_TH) if g_norm2_T is None else g_norm2_T
+    g_norm2_T = row_norm2(g_TH) if g_norm2_T is None else g_norm2_T
     inputs = ScoreInputs(alpha_TK, g_TH, phi_norm2_TK, hidden_TH, top_k_index_TK,
                          generator=policy.generator(g_TH.device), grad_norm2_T=g_norm2_T)
     scores_TK = get_scorer(policy.scorer)(inputs, **policy.scorer_kwargs).float().reshape(T, K)
@@ -155,8 +155,7 @@ class _SelectiveExperts(torch.autograd.Function):
             O_P = grouped_mm(h, down_proj.transpose(1, 2), offs_E, backend=backend).index_select(0, inv_perm)
         phi_norm2_TK = None
         if policy.mode != "full" and policy.drop_ratio > 0:
-            hf = h.float()
-            phi_norm2_TK = (hf * hf).sum(-1).index_select(0, inv_perm).view(T, K)
+            phi_norm2_TK = row_norm2(h).index_select(0, inv_perm).view(T, K)
         del h
         O_TKH = O_P.view(T, K, O_P.shape[-1])
         acc = acc_dtype(O_TKH, top_k_weights_TK)
@@ -192,7 +191,7 @@ class _SelectiveExperts(torch.autograd.Function):
 
         # 2. Scores and selection (non-finite gradients rank first whatever the scorer).
         scores_TK = keep_P = None
-        g_norm2_T = grad_norm2(g_TH)  # also flags NaN/Inf rows (one fused reduction)
+        g_norm2_T = row_norm2(g_TH)  # also flags NaN/Inf rows (one fused reduction)
         if phi_norm2_TK is not None:
             scores_TK = score_pairs(policy, alpha_TK, g_TH, phi_norm2_TK, hidden_TH, top_k_index_TK, g_norm2_T)
             if n_keep < P:

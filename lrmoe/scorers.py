@@ -28,10 +28,10 @@ scorers = _SCORERS.names
 get_scorer = _SCORERS.get
 
 
-def grad_norm2(g_TH: torch.Tensor) -> torch.Tensor:
-    """||g_t||^2 per row in float32 (one fused reduction; NaN/Inf rows give NaN/Inf)."""
-    acc = torch.promote_types(g_TH.dtype, torch.float32)  # fp32 for 16-bit gradients, fp64 stays exact
-    return torch.linalg.vector_norm(g_TH, dim=-1, dtype=acc).float().square()
+def row_norm2(x_NH: torch.Tensor) -> torch.Tensor:
+    """||x_n||^2 per row as float32 (one fused reduction, no [N, H] temporary; NaN/Inf rows give NaN/Inf)."""
+    acc = torch.promote_types(x_NH.dtype, torch.float32)  # fp32 for 16-bit inputs, fp64 stays exact
+    return torch.linalg.vector_norm(x_NH, dim=-1, dtype=acc).float().square()
 
 
 @dataclass
@@ -50,7 +50,7 @@ class ScoreInputs:
 
     def __post_init__(self):
         if self.grad_norm2_T is None:
-            self.grad_norm2_T = grad_norm2(self.grad_TH)
+            self.grad_norm2_T = row_norm2(self.grad_TH)
 
     @cached_property
     def input_norm2_T(self) -> torch.Tensor:
