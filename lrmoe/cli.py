@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 
 # subcommand -> module defining register_cli(subparsers)
@@ -21,21 +22,23 @@ COMMANDS = {
 }
 
 
+def _available(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # the parent package is not part of this checkout
+        return False
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="lrmoe", description="LRMoE reproduction kit")
-    sub = ap.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
+    commands = {name: module for name, module in COMMANDS.items() if _available(module)}
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{" + ",".join(commands) + "}")
     wanted = [a for a in argv if not a.startswith("-")][:1]
-    for name, module in COMMANDS.items():
-        if wanted and wanted[0] != name and wanted[0] in COMMANDS:
+    for name, module in commands.items():
+        if wanted and wanted[0] != name and wanted[0] in commands:
             sub.add_parser(name)  # listed in --help; loaded only when chosen
             continue
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name and (module == e.name or module.startswith(e.name + ".")):
-                continue  # not part of this checkout yet
-            raise
-        mod.register_cli(sub)
+        importlib.import_module(module).register_cli(sub)
     return ap
 
 
