@@ -26,6 +26,15 @@ from .quota import quota_for, retained_total
 from .scorers import ScoreInputs, get_scorer, row_norm2
 
 
+def check_routing_shapes(T: int, top_k_index_TK: torch.Tensor, top_k_weights_TK: torch.Tensor) -> None:
+    """top_k_index and top_k_weights must both be [T, K]; the index must be an integer tensor."""
+    if top_k_index_TK.dim() != 2 or top_k_index_TK.shape[0] != T or top_k_weights_TK.shape != top_k_index_TK.shape:
+        raise ValueError(f"top_k_index and top_k_weights must both be [T={T}, K], got "
+                         f"{tuple(top_k_index_TK.shape)} and {tuple(top_k_weights_TK.shape)}")
+    if top_k_index_TK.dtype.is_floating_point or top_k_index_TK.dtype == torch.bool:
+        raise ValueError(f"top_k_index must be an integer tensor, got {top_k_index_TK.dtype}")
+
+
 def _check_inputs(hidden_TH, top_k_index_TK, top_k_weights_TK, gate_up_proj, down_proj):
     if hidden_TH.dim() != 2:
         raise ValueError(f"hidden_TH must be [T, H], got shape {tuple(hidden_TH.shape)}")
@@ -37,11 +46,7 @@ def _check_inputs(hidden_TH, top_k_index_TK, top_k_weights_TK, gate_up_proj, dow
     if H_w != H or I2 % 2 or tuple(down_proj.shape) != (E, H, I2 // 2):
         raise ValueError(f"expert weights do not match hidden size {H}: gate_up_proj {tuple(gate_up_proj.shape)} "
                          f"(expected [E, 2I, {H}]), down_proj {tuple(down_proj.shape)} (expected [E, {H}, I])")
-    if top_k_index_TK.dim() != 2 or top_k_index_TK.shape[0] != T or top_k_weights_TK.shape != top_k_index_TK.shape:
-        raise ValueError(f"top_k_index and top_k_weights must both be [T={T}, K], got "
-                         f"{tuple(top_k_index_TK.shape)} and {tuple(top_k_weights_TK.shape)}")
-    if top_k_index_TK.dtype.is_floating_point or top_k_index_TK.dtype == torch.bool:
-        raise ValueError(f"top_k_index must be an integer tensor, got {top_k_index_TK.dtype}")
+    check_routing_shapes(T, top_k_index_TK, top_k_weights_TK)
     # The range check reads the indices on the host: free on CPU; on accelerators it would cost a
     # synchronisation per layer call, so it runs there only under torch.autograd.set_detect_anomaly.
     if (top_k_index_TK.device.type == "cpu" or torch.is_anomaly_enabled()) and top_k_index_TK.numel():

@@ -26,6 +26,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Callable
 
+from lrmoe.train import read_metrics  # the reader the training loop uses (tolerates a torn last line)
+
 PAPER_NUMBERS = Path(__file__).with_name("paper_numbers.json")
 FAMILY_NAMES = {"qwen3": "Qwen3-MoE", "glm4": "GLM-4.5-MoE"}
 _FAMILY_OF = {"qwen3_moe": "qwen3", "glm4_moe": "glm4"}
@@ -41,20 +43,6 @@ def level_name(drop: float) -> str:
 
 
 # ----------------------------------------------------------------------------- results
-
-
-def _read_metrics(path: Path) -> list[dict]:
-    rows = []
-    try:
-        with open(path) as f:
-            for line in f:
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    break
-    except FileNotFoundError:
-        pass
-    return rows
 
 
 @dataclass
@@ -91,7 +79,7 @@ class Run:
 
     @cached_property
     def rows(self) -> list[dict]:
-        return _read_metrics(self.dir / "metrics.jsonl")
+        return read_metrics(self.dir / "metrics.jsonl")
 
     def ppl_window_mean(self, fraction: float = 0.1) -> float | None:
         """Mean per-step training PPL over the final ``fraction`` of the run's steps."""

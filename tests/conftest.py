@@ -1,5 +1,6 @@
 """Test-session set-up. Runs before any test module imports lrmoe."""
 import os
+import random
 
 import pytest
 import torch
@@ -30,4 +31,5 @@ def rng_seed(request):
 
     seed = zlib.crc32(request.node.nodeid.encode())
     torch.manual_seed(seed)
+    random.seed(seed)
     return seed

@@ -138,9 +138,9 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *, 
                                               out_index=out_index, out=out, accumulate=accumulate)
     # Reference path for the fused indices: explicit gather into contiguous buffers.
     if a_index is not None:
-        mat_a = mat_a[a_index] if mat_b.dim() == 3 else mat_a.t()[a_index].t()  # keeps a transposed layout
+        mat_a = mat_a.index_select(0, a_index) if mat_b.dim() == 3 else mat_a.index_select(1, a_index)
     if b_index is not None:
-        mat_b = mat_b[b_index]
+        mat_b = mat_b.index_select(0, b_index)
     if backend == "loop":
         res = grouped_mm_loop(mat_a, mat_b, offs)
     else:

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..experts import acc_dtype, Stopwatch, swiglu, buffer_bytes, expert_backward, score_pairs
+from ..experts import acc_dtype, buffer_bytes, check_routing_shapes, expert_backward, score_pairs, Stopwatch, swiglu
 from ..kernels.grouped_gemm import grouped_mm
 from ..kernels.routing import select_top_quota, sort_pairs_by_expert, sum_rows_by_token
 from ..policy import BackwardPolicy, BackwardRecord
@@ -539,11 +539,7 @@ def _check_local_inputs(hidden_TH, idx_TK, w_TK, gate_up, down, ep: ExpertParall
             or gate_up.shape[1] % 2 or tuple(down.shape) != (El, H, gate_up.shape[1] // 2):
         raise ValueError(f"expert weights must be this rank's block of E/G = {El} experts: gate_up_proj [{El}, 2I, {H}] "
                          f"and down_proj [{El}, {H}, I], got {tuple(gate_up.shape)} and {tuple(down.shape)}")
-    if idx_TK.dim() != 2 or idx_TK.shape[0] != T or w_TK.shape != idx_TK.shape:
-        raise ValueError(f"top_k_index and top_k_weights must both be [T={T}, K], got {tuple(idx_TK.shape)} "
-                         f"and {tuple(w_TK.shape)}")
-    if idx_TK.dtype.is_floating_point or idx_TK.dtype == torch.bool:
-        raise ValueError(f"top_k_index must be an integer tensor, got {idx_TK.dtype}")
+    check_routing_shapes(T, idx_TK, w_TK)
     if idx_TK.numel():
         lo, hi = int(idx_TK.min()), int(idx_TK.max())
         if lo < 0 or hi >= ep.num_experts:
