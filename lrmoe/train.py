@@ -73,7 +73,7 @@ DTYPES = ("auto", "fp32", "bf16")
 METRIC_KEYS = ("step", "epoch", "loss", "ppl", "lr", "grad_norm", "tokens", "label_tokens", "tokens_per_s",
                "step_time_s", "moe_fwd_s", "moe_bwd_s", "kept_fraction", "nonfinite", "layers", "elapsed_s")
 # Fields that may differ between the run that wrote a checkpoint and the run that resumes it.
-_RUNTIME_FIELDS = ("threads", "log_interval", "checkpoint_interval", "eval_interval")
+_RUNTIME_FIELDS = ("threads", "log_interval", "checkpoint_interval", "eval_interval", "load_concurrency")
 
 
 @dataclass
@@ -126,6 +126,7 @@ class TrainConfig:
     placement: str = "lrmoe"
     ep_budget_mib: float | None = None
     ep_options: dict = field(default_factory=dict)
+    load_concurrency: int = 1
 
     _HELP = {
         "model": "model preset (lrmoe.hf.MODEL_PRESETS)",
@@ -169,6 +170,9 @@ class TrainConfig:
         "ep_budget_mib": "per-rank memory budget of each MoE layer for the placement planner, in MiB (default: unlimited)",
         "ep_options": "placement planner option KEY=VALUE (JSON values; repeatable), e.g. min_tokens=64, "
                       "capacity_factor=1.0, slots_per_rank=4, fallback=split_microbatch:2",
+        "load_concurrency": "with ep > 1: how many ranks of a node build or load the full model at the same "
+                            "time before sharding its experts (each holds a full fp32 copy meanwhile, about "
+                            "4 bytes x parameters; 0: all at once)",
     }
 
     def __post_init__(self):
@@ -268,6 +272,10 @@ class TrainConfig:
             raise ValueError(f"ep_budget_mib must be a number > 0 or None (unlimited), got {self.ep_budget_mib!r}")
         if not isinstance(self.ep_options, dict):
             raise ValueError(f"ep_options must be a dict, got {self.ep_options!r}")
+        if isinstance(self.load_concurrency, bool) or not isinstance(self.load_concurrency, int) \
+                or self.load_concurrency < 0:
+            raise ValueError(f"load_concurrency must be an int >= 0 (0: all ranks at once), "
+                             f"got {self.load_concurrency!r}")
         if self.micro_batch % self.ep:
             raise ValueError(f"micro_batch ({self.micro_batch}) must be divisible by ep ({self.ep}): every "
                              f"micro-batch is split evenly over the ranks")
@@ -629,8 +637,8 @@ class LocalRunner:
     def load_data(cfg):
         return load_data(cfg)
 
-    def place_model(self, model, policy):
-        return model.to(self.device)
+    def build_model(self, make, policy):
+        return make().to(self.device)
 
     def describe(self) -> dict:
         return {}
@@ -728,25 +736,33 @@ def _train(cfg: TrainConfig, out: Path, runner, progress: bool, stop_after: int 
     train_set, heldout, data_stats = runner.load_data(cfg)
     vocab = int(data_stats["vocab_size"])
     policy = cfg.policy()
-    if cfg.init_from:
-        from transformers import AutoModelForCausalLM
+    built = {}
 
-        hf.register()
-        overrides = dict(cfg.model_overrides)
-        torch.manual_seed(cfg.seed)
-        model = AutoModelForCausalLM.from_pretrained(cfg.init_from, experts_implementation=hf.IMPLEMENTATION,
-                                                     dtype=torch.float32, **overrides)
-        hf.set_policy(model, policy)
-        if model.config.vocab_size < vocab:
-            raise ValueError(f"{cfg.init_from} has {model.config.vocab_size} token embeddings but the tokenizer "
-                             f"{cfg.tokenizer!r} has {vocab} tokens; use the checkpoint's tokenizer")
-    else:
-        overrides = {"vocab_size": vocab, **cfg.model_overrides}
-        model = hf.build_model(cfg.model, policy=policy, seed=cfg.seed, **overrides)
-    n_parameters = sum(p.numel() for p in model.parameters())
+    def make_model():
+        if cfg.init_from:
+            from transformers import AutoModelForCausalLM
+
+            hf.register()
+            built["overrides"] = dict(cfg.model_overrides)
+            torch.manual_seed(cfg.seed)
+            model = AutoModelForCausalLM.from_pretrained(cfg.init_from, experts_implementation=hf.IMPLEMENTATION,
+                                                         dtype=torch.float32, **built["overrides"])
+            hf.set_policy(model, policy)
+            if model.config.vocab_size < vocab:
+                raise ValueError(f"{cfg.init_from} has {model.config.vocab_size} token embeddings but the tokenizer "
+                                 f"{cfg.tokenizer!r} has {vocab} tokens; use the checkpoint's tokenizer")
+        else:
+            built["overrides"] = {"vocab_size": vocab, **cfg.model_overrides}
+            model = hf.build_model(cfg.model, policy=policy, seed=cfg.seed, **built["overrides"])
+        mods = hf.experts_modules(model)  # counted before the experts are sharded
+        built.update(parameters=sum(p.numel() for p in model.parameters()), moe_layers=len(mods),
+                     experts=int(mods[0].gate_up_proj.shape[0]) if mods else 0)
+        return model
+
+    # EP: experts sharded over the ranks (which build in turns of cfg.load_concurrency per node).
+    model = runner.build_model(make_model, policy)
+    overrides, n_parameters, n_experts = built["overrides"], built["parameters"], built["experts"]
     moe_modules = hf.experts_modules(model)
-    n_experts = int(moe_modules[0].gate_up_proj.shape[0]) if moe_modules else 0
-    model = runner.place_model(model, policy)  # EP: experts sharded over the ranks
     model.train()
     n_moe = len(moe_modules)
     bad = [i for i in cfg.sample_layers if not -n_moe <= i < n_moe]

@@ -173,6 +173,8 @@ def test_launch_errors(tmp_path, monkeypatch, capsys):
         check_launch(TrainConfig(micro_batch=12, ep=4), world=6)
     with pytest.raises(ValueError, match="ep_budget_mib must be a number > 0"):
         TrainConfig(ep_budget_mib=0).validate()
+    with pytest.raises(ValueError, match=r"load_concurrency must be an int >= 0 \(0: all ranks at once\), got -1"):
+        TrainConfig(load_concurrency=-1).validate()
 
 
 def test_cli_ep_flags():
@@ -184,9 +186,9 @@ def test_cli_ep_flags():
     register_cli(ap.add_subparsers(dest="command"))
     a = ap.parse_args(["train", "--out", "x", "--ep", "8", "--placement", "ultraep", "--ep-budget-mib", "512",
                        "--ep-option", "min_tokens=64", "--ep-option", "fallback=split_microbatch:2",
-                       "--micro-batch", "32"])
+                       "--micro-batch", "32", "--load-concurrency", "2"])
     c = config_from_args(a).validate()
-    assert (c.ep, c.placement, c.ep_budget_mib) == (8, "ultraep", 512.0)
+    assert (c.ep, c.placement, c.ep_budget_mib, c.load_concurrency) == (8, "ultraep", 512.0, 2)
     assert c.ep_options == {"min_tokens": 64, "fallback": "split_microbatch:2"}
 
 

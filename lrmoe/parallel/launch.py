@@ -98,6 +98,38 @@ def init_distributed(ep: int | None = None, backend: str | None = None, timeout_
     return env
 
 
+def in_turns(fn, concurrency: int = 1, *, timeout_s: float = 3600.0):
+    """Call ``fn()`` on every rank, at most ``concurrency`` ranks of a node at a time; returns its result.
+
+    For work with a large transient host-memory peak, such as building or loading the full model
+    before its experts are sharded (4 bytes x parameters in fp32 per rank: about 122 GB for
+    Qwen3-30B-A3B, so eight ranks of a node at once would need about 1 TB). Ranks with local rank
+    in ``[i*c, (i+1)*c)`` take turn ``i``; nodes run their turns side by side. Every rank of the
+    default group must call it. ``concurrency`` 0 (or >= the ranks per node) runs everyone at once.
+    The turns are separated by barriers of a gloo group whose timeout is ``timeout_s`` (a turn
+    may take much longer than the collective timeout of the training group)."""
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 0:
+        raise ValueError(f"concurrency must be an int >= 0 (0: all ranks at once), got {concurrency!r}")
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return fn()
+    local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    c = local_world if concurrency == 0 else min(concurrency, local_world)
+    turns = -(-local_world // c)
+    if turns == 1:
+        return fn()
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    result = None
+    try:
+        for turn in range(turns):
+            if local_rank // c == turn:
+                result = fn()
+            dist.barrier(group=group)
+    finally:
+        dist.destroy_process_group(group)
+    return result
+
+
 def shutdown() -> None:
     """Destroy the process group (if any)."""
     if dist.is_initialized():

@@ -118,16 +118,23 @@ class DistributedRunner:
         dist.barrier()
         return out if first else load_data(cfg)
 
-    def place_model(self, model, policy):
-        """Shard the experts over the EP group (ep > 1), move to the device, equalise dense weights."""
+    def build_model(self, make, policy):
+        """``make()`` the full model, shard its experts over the EP group (ep > 1), move it to the
+        device and equalise the dense weights. With expert parallelism the ranks of a node build in
+        turns of ``cfg.load_concurrency`` (each holds a full copy only until it has sharded it)."""
         from .. import hf
+        from .launch import in_turns
 
-        mods = hf.experts_modules(model)
-        self.num_experts = int(mods[0].gate_up_proj.shape[0]) if mods else 0
-        if self.env.ep_size > 1:
-            self.eps = ep_hf.parallelize_experts(model, self.env.ep_group, self.cfg.placement, budget_bytes(self.cfg),
-                                                 policy=policy, **self.cfg.ep_options)
-        model = model.to(self.device)
+        def build():
+            model = make()
+            mods = hf.experts_modules(model)
+            self.num_experts = int(mods[0].gate_up_proj.shape[0]) if mods else 0
+            if self.env.ep_size > 1:
+                self.eps = ep_hf.parallelize_experts(model, self.env.ep_group, self.cfg.placement,
+                                                     budget_bytes(self.cfg), policy=policy, **self.cfg.ep_options)
+            return model.to(self.device)
+
+        model = in_turns(build, self.cfg.load_concurrency) if self.env.ep_size > 1 else build()
         ep_hf.broadcast_dense_params(model, src=0)
         return model
 
