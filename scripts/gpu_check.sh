@@ -41,6 +41,7 @@ else
     if [ -f scripts/bench_layer.py ]; then
         step bench_layer 90 $PY scripts/bench_layer.py --device cuda --out "$OUT"
     fi
+    step bench_gemm_scaling 90 $PY scripts/bench_gemm_scaling.py --device cuda --shape qwen3-30b-a3b --out "$OUT"
 fi
 
 $PY - "$OUT" <<'PYEOF'
@@ -73,6 +74,12 @@ for f in sorted(out.glob("bench_grouped_gemm_*.json")):
     print(f"targets: {len(d.get('targets', [])) - len(misses)} pass, {len(misses)} miss")
     for t in misses:
         print("  " + t)
+f = out / "bench_gemm_scaling_cuda.json"
+if f.exists():
+    d = json.loads(f.read_text())
+    print("\nbackward GEMMs alone vs rows kept (ideal = the fraction):")
+    for r in d["rows"]:
+        print(f"  {r['shape']:14} {r['backend']:7} {r['fraction']:.2f}  total {r['total_ms']:8.2f} ms  x{r['total_vs_full']:.3f}")
 f = out / "bench_layer_cuda.json"
 if f.exists():
     d = json.loads(f.read_text())
