@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -115,16 +116,25 @@ def run_case(case, rank, G, seed):
     ep = ExpertParallel(E, None, placement, budget_bytes=budget,
                         slots_per_rank=None if extra is None else El + extra, **options)
     module = ExpertParallelExperts.from_full(gu, dn, ep, BackwardPolicy(drop_ratio=drop, mode=mode))
-    for _ in range(warmup):  # stateful policies (SYMI) plan from the previous step
-        with torch.no_grad():
-            module(x[lo:hi], idx[lo:hi], w[lo:hi])
+    for _ in range(warmup):  # stateful policies (SYMI) plan from the previous training step
+        module(x[lo:hi], idx[lo:hi], w[lo:hi])  # (a forward with gradients enabled advances the state)
     xl, wl = x[lo:hi].clone().requires_grad_(), w[lo:hi].clone().requires_grad_()
     y = module(xl, idx[lo:hi], wl)
     y.backward(dy[lo:hi])
     rec = module.last_backward
-    return {"y": y.detach(), "gx": xl.grad, "gw": wl.grad, "ggu": module.gate_up_proj.grad,
+    last_forward_bytes = dict(ep.last_forward_bytes)
+    state_eval = state_train = None
+    if warmup:  # an evaluation call (no_grad, other routing) must not move the planner's state; training does
+        before = pickle.dumps(ep.state)
+        with torch.no_grad():
+            module(x[lo:hi], (idx[lo:hi] + 1) % E, w[lo:hi])
+        state_eval = pickle.dumps(ep.state) == before
+        module(x[lo:hi], (idx[lo:hi] + 1) % E, w[lo:hi])
+        state_train = pickle.dumps(ep.state) == before
+    return {"state_unchanged_by_eval": state_eval, "state_unchanged_by_train": state_train,"y": y.detach(), "gx": xl.grad, "gw": wl.grad, "ggu": module.gate_up_proj.grad,
             "gdn": module.down_proj.grad, "kept_mask": rec.kept_mask, "scores": rec.scores, "kept": rec.kept,
-            "quota": rec.quota, "demand": rec.demand, "comm": rec.comm_bytes, "plan": plan_arrays(rec.plan)}
+            "quota": rec.quota, "demand": rec.demand, "comm": rec.comm_bytes, "plan": plan_arrays(rec.plan),
+            "last_forward_bytes": last_forward_bytes}
 
 
 HF_VOCAB, HF_SEQS, HF_LEN = 61, 4, 10
@@ -193,6 +203,21 @@ def error_worker(rank, G, port, out_dir):
         out["mismatch"] = "no error"
     except ValueError as e:
         out["mismatch"] = f"ValueError: {e}"
+    # 1b. the backward policy's quota options differ (different plans would follow) -> ValueError.
+    m = ExpertParallelExperts.from_full(gu, dn, ExpertParallel(E, None, "fixed"),
+                                        BackwardPolicy(0.5, quota_kwargs={"min_keep": 2 * rank}))
+    try:
+        m(x[lo:hi], idx[lo:hi], w[lo:hi])
+        out["quota_kwargs"] = "no error"
+    except ValueError as e:
+        out["quota_kwargs"] = f"ValueError: {e}"
+    # 1c. the planner's options differ -> ValueError.
+    m = ExpertParallelExperts.from_full(gu, dn, ExpertParallel(E, None, "ultraep", min_tokens=1 + rank))
+    try:
+        m(x[lo:hi], idx[lo:hi], w[lo:hi])
+        out["planner_options"] = "no error"
+    except ValueError as e:
+        out["planner_options"] = f"ValueError: {e}"
     # 2. a plan over budget with fallback 'oom' -> EPOutOfMemoryError on both.
     m = ExpertParallelExperts.from_full(gu, dn, ExpertParallel(E, None, "fixed", budget_bytes=1000, fallback="oom"))
     try:
@@ -405,6 +430,55 @@ def test_kept_set_distance(results):
         assert 0.5 <= overlap <= 1.0 and 0.0 < mass <= 1.0 + 1e-6
 
 
+@pytest.mark.parametrize("G", sorted(CASES))
+def test_evaluation_leaves_the_planner_state(results, G):
+    """SYMI plans from the previous training step's popularity: a no_grad evaluation call does
+    not advance it, a training call (gradients enabled) does."""
+    stateful = [c[0] for c in CASES[G] if c[0] != "hf" and c[7]]
+    assert stateful
+    for name in stateful:
+        for r, res in enumerate(load(results, G, name)):
+            assert res["state_unchanged_by_eval"] is True, (name, r)
+            assert res["state_unchanged_by_train"] is False, (name, r)
+
+
+@pytest.mark.parametrize("G", sorted(CASES))
+def test_last_forward_bytes_cover_the_whole_call(results, G):
+    """``ep.last_forward_bytes`` equals the record's forward keys, also when the microbatch was
+    split into pieces (it used to hold the last piece only)."""
+    for case in CASES[G]:
+        if case[0] == "hf":
+            continue
+        for r, res in enumerate(load(results, G, case[0])):
+            fwd = {k: v for k, v in res["comm"].items() if k.startswith("fwd_")}
+            assert res["last_forward_bytes"] == fwd, (case[0], r)
+            if case[0].endswith("split"):  # the case really was split, and every piece sent rows
+                assert isinstance(res["plan"], list) and len(res["plan"]) > 1, (case[0], r)
+
+
+def test_selection_quotas_pass_the_drop_ratio():
+    """Baseline placements at C>0 get the single-process layer's quotas, proportional policy
+    included (which targets (1 - rho) d_e and needs rho, not n_keep / P)."""
+    from lrmoe.parallel import Cluster, ModelDims, plan_placement
+    from lrmoe.parallel.runtime import selection_quotas
+    from lrmoe.quota import compute_quota
+
+    rng = np.random.default_rng(3)
+    for quota in ("proportional", "waterfill"):
+        for _ in range(20):
+            d = rng.integers(0, 5, (2, 4))
+            d[0, 0] += 1
+            rho = float(rng.choice([0.3, 0.5]))
+            policy = BackwardPolicy(drop_ratio=rho, quota=quota)
+            fixed = selection_quotas(plan_placement("fixed", d, Cluster(2, 2), ModelDims(4, 3, 4, 1, 8), float("inf")),
+                                     policy, ModelDims(4, 3, 4, 1, 8))
+            np.testing.assert_array_equal(fixed.kept_E, compute_quota(d.sum(0), rho, quota), err_msg=str(d))
+    d = np.array([[1, 0, 2, 0], [0, 1, 1, 0]])  # the review's case: [1, 0, 2, 0] before the fix
+    p = selection_quotas(plan_placement("fixed", d, Cluster(2, 2), ModelDims(4, 3, 4, 1, 8), float("inf")),
+                         BackwardPolicy(0.5, quota="proportional"), ModelDims(4, 3, 4, 1, 8))
+    np.testing.assert_array_equal(p.kept_E, [1, 1, 1, 0])
+
+
 def test_failures_raise_not_hang(tmp_path):
     t0 = time.perf_counter()
     spawn(error_worker, 2, str(tmp_path), deadline_s=60)
@@ -413,6 +487,8 @@ def test_failures_raise_not_hang(tmp_path):
     for r in (r0, r1):
         assert r["mismatch"].startswith("ValueError") and "top_k: rank 0 has 2, rank 1 has 1" in r["mismatch"]
         assert r["oom"].startswith("EPOutOfMemoryError") and "budget" in r["oom"]
+        assert r["quota_kwargs"].startswith("ValueError") and "quota/scorer options" in r["quota_kwargs"]
+        assert r["planner_options"].startswith("ValueError") and "planner options" in r["planner_options"]
     assert r0["missing_peer"].startswith("EPCommunicationError"), r0["missing_peer"]
     assert "all_gather (demand)" in r0["missing_peer"] and "rank 0 of 2" in r0["missing_peer"]
     assert r0["missing_peer_s"] < 4.5

@@ -1,5 +1,7 @@
 """Placement planners: shared invariants, each policy's defining property, budgets and fallbacks."""
+import itertools
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -9,6 +11,7 @@ from baselines.symi import SymiState, symi_slot_counts
 from baselines.ultraep import ultraep_feasible, ultraep_threshold
 from lrmoe.parallel import Cluster, ModelDims, placement_policies, plan_placement, register_placement
 from lrmoe.parallel import plan as plan_mod
+from lrmoe.parallel.plan import largest_remainder
 from lrmoe.parallel.memory import instance_bytes
 from lrmoe.quota import compute_quota, retained_total
 
@@ -316,6 +319,63 @@ def test_lrmoe_keeps_exactly_the_quota_without_pressure(kind, policy):
             fixed_cost = np.bincount(np.arange(8) // 2, weights=d.sum(0) + 2 * p.kept_E, minlength=4)
             assert p.cost_G().max() <= fixed_cost.max()
             assert p.cost_G().max() <= p.info["threshold"] + 2 * len(p.instances)  # rounding of kept rows
+
+
+def _roundings(shares):
+    """Every way to round the exact shares (Fractions) of one expert's instances to integers,
+    each floor or ceil, keeping the expert's total (brute force)."""
+    floors = [math.floor(x) for x in shares]
+    units = round(sum(shares)) - sum(floors)
+    frac = [j for j, x in enumerate(shares) if x != math.floor(x)]
+    for pick in itertools.combinations(frac, units):
+        yield [f + (j in pick) for j, f in enumerate(floors)]
+
+
+def test_lrmoe_rounding_of_instance_quotas_meets_the_threshold():
+    """The review's counter-example (largest remainder gave rank 0 a cost of 23 with tau = 22),
+    then random small cases against a brute force over every rounding of the instances' shares."""
+    d = np.array([[3, 6], [9, 3]])
+    p = plan_placement("lrmoe", d, Cluster(2, 2), ModelDims(8, 4, 2, 2, 8), math.inf, drop_ratio=0.5)
+    assert p.cost_G(2.0).max() <= p.info["threshold"] == 22
+    rng = np.random.default_rng(7)
+    checked = flow_cases = 0
+    for _ in range(300):  # small demands and large drop ratios make rounding matter (~5 % of cases)
+        G = int(rng.integers(2, 5))
+        E = G * int(rng.integers(1, 3))
+        d = rng.integers(0, 6, (G, E))
+        d[:, int(rng.integers(E))] += rng.integers(0, 15, G)  # a hot expert, so replicas appear
+        rho = float(rng.choice([0.3, 0.5, 0.7]))
+        cluster, dims = Cluster(G, E // G + 2), ModelDims(8, 4, E, 2, 8)
+        p = plan_placement("lrmoe", d, cluster, dims, math.inf, drop_ratio=rho)
+        tau = p.info["threshold"]
+        rows_G = p.rows_G.astype(float)
+        # every instance within 1 of its exact share, expert totals exact
+        per_expert = [np.flatnonzero(p.expert_N == e) for e in range(E)]
+        options = []
+        for e, cols in enumerate(per_expert):
+            dE = int(p.rows_N[cols].sum())
+            shares = [Fraction(int(p.kept_E[e]) * int(p.rows_N[n]), dE) if dE else Fraction(0) for n in cols]
+            assert all(abs(p.kept_N[n] - x) < 1 for n, x in zip(cols, shares))
+            options.append(list(_roundings(shares)))
+        best = math.inf
+        for combo in itertools.product(*options):
+            K = np.zeros(G)
+            for cols, parts in zip(per_expert, combo):
+                np.add.at(K, p.rank_N[cols], parts)
+            best = min(best, (rows_G + 2 * K).max())
+        got = p.cost_G(2.0).max()
+        lr_kept = [largest_remainder(int(p.kept_E[e]), p.rows_N[cols]) for e, cols in enumerate(per_expert)]
+        K_lr = np.zeros(G)
+        for cols, parts in zip(per_expert, lr_kept):
+            np.add.at(K_lr, p.rank_N[cols], parts)
+        if (rows_G + 2 * K_lr).max() <= tau:  # largest remainder is kept when it meets tau
+            assert all((p.kept_N[cols] == parts).all() for cols, parts in zip(per_expert, lr_kept))
+        else:  # otherwise the smallest achievable maximum (within tau whenever any rounding is)
+            assert got == best, (d.tolist(), rho, got, best)
+            flow_cases += 1
+        assert got <= tau or best > tau
+        checked += 1
+    assert checked == 300 and flow_cases >= 5
 
 
 def test_lrmoe_retained_demand_drives_replicas():

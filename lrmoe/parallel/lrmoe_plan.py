@@ -17,8 +17,9 @@ and the planner minimises the slowest rank's cost, max_r cost_r, over replica pl
   replicas only inside the owner's fast domain, no replica with fewer than ``min_rows`` rows;
 * keep every rank's (estimated) memory within the budget when a replica is added.
 
-Within an expert every instance keeps the same fraction q_e / d_e of its rows (largest
-remainder), so the per-instance selection by score matches the expert's selection as closely as
+Within an expert every instance keeps the same fraction q_e / d_e of its rows (rounded to
+integers so that no rank exceeds the threshold below when some rounding allows it, see
+:func:`_instance_quotas`), so the per-instance selection by score matches the expert's selection as closely as
 possible, and a row of expert e costs w_e = 1 + B * q_e / d_e wherever it runs. The retained
 demand therefore drives replication: a hot expert whose quota was trimmed (waterfill trims the
 hottest first) weighs less and may no longer need a replica. The search is UltraEP-style: the
@@ -120,6 +121,88 @@ def _greedy(tau, cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, dom
     return replicas
 
 
+def _instance_quotas(q_E, rows_E, ranks_E, G: int, backward_weight: float, tau: float) -> list[np.ndarray]:
+    """Kept rows of every instance: q_e split over e's instances in proportion to their rows, each
+    within 1 of its exact share q_e * rows_n / d_e (every instance keeps the floor of its share,
+    the leftover units of an expert go one each to instances with a fractional share).
+
+    The planner's threshold ``tau`` is met by the exact shares; rounding them can push a rank
+    over it. The rounding is largest remainder when that keeps every rank's executed cost
+    F_r + B K_r within tau; otherwise the one with the smallest executed maximum, hence within
+    tau whenever any rounding is. Which rounding meets a
+    cost target is a bipartite feasibility problem (leftover units of each expert -> ranks, at
+    most one per instance, at most cap_r = floor((target - base_r) / B) per rank), solved
+    exactly by an integral max flow (``scipy.sparse.csgraph.maximum_flow``). Deterministic."""
+    from scipy.sparse import csr_matrix
+    from scipy.sparse.csgraph import maximum_flow
+
+    E = len(rows_E)
+    exact = [largest_remainder(int(q_E[e]), rows_E[e]) if sum(rows_E[e]) > 0 else np.zeros(len(rows_E[e]), np.int64)
+             for e in range(E)]
+    floors, fractional = [], []
+    F_G = np.zeros(G)
+    for e in range(E):
+        rows = np.asarray(rows_E[e], dtype=np.int64)
+        d = int(rows.sum())
+        num = rows * int(q_E[e])
+        floors.append(num // d if d > 0 else np.zeros_like(rows))
+        fractional.append(num % d != 0 if d > 0 else np.zeros(len(rows), dtype=bool))
+        np.add.at(F_G, np.asarray(ranks_E[e], dtype=np.int64), rows)
+    units_E = np.array([int(q_E[e]) - int(floors[e].sum()) for e in range(E)])
+    if backward_weight <= 0 or units_E.sum() == 0:
+        return exact
+
+    def executed_max(parts):
+        K_G = np.zeros(G)
+        for e in range(E):
+            np.add.at(K_G, np.asarray(ranks_E[e], dtype=np.int64), parts[e])
+        return float((F_G + backward_weight * K_G).max(initial=0.0))
+
+    if executed_max(exact) <= tau + _EPS:
+        return exact
+    base_G = F_G.copy()
+    for e in range(E):
+        np.add.at(base_G, np.asarray(ranks_E[e], dtype=np.int64), backward_weight * floors[e])
+    experts = [e for e in range(E) if units_E[e] > 0]
+    # nodes: 0 source, 1..len(experts) experts, then G ranks, then the sink
+    src, sink = 0, len(experts) + G + 1
+    edges = [(src, 1 + i, int(units_E[e])) for i, e in enumerate(experts)]
+    edges += [(1 + i, 1 + len(experts) + int(r), 1) for i, e in enumerate(experts)
+              for r, frac in zip(ranks_E[e], fractional[e]) if frac]
+    cand_G = np.zeros(G, dtype=np.int64)
+    for _, v, _c in edges[len(experts):]:
+        cand_G[v - 1 - len(experts)] += 1
+
+    def flow_at(target):
+        caps = np.minimum(np.floor((target - base_G) / backward_weight + _EPS), cand_G).clip(0).astype(np.int64)
+        all_edges = edges + [(1 + len(experts) + r, sink, int(caps[r])) for r in range(G)]
+        u, v, c = (np.array(x, dtype=np.int32) for x in zip(*all_edges))
+        graph = csr_matrix((c, (u, v)), shape=(sink + 1, sink + 1))
+        res = maximum_flow(graph, src, sink)
+        return res if res.flow_value == int(units_E.sum()) else None
+
+    # The executed maximum is one of the values base_r + B k: binary search for the smallest one
+    # that admits a flow (the largest always does: every rank uncapped).
+    targets = sorted({float(b + backward_weight * k) for b, n in zip(base_G, cand_G) for k in range(int(n) + 1)})
+    targets = [t for t in targets if t >= base_G.max() - _EPS]
+    lo, hi = 0, len(targets) - 1
+    best = flow_at(targets[hi])
+    while lo < hi:
+        mid = (lo + hi) // 2
+        res = flow_at(targets[mid])
+        lo, hi, best = (lo, mid, res) if res is not None else (mid + 1, hi, best)
+    flow = best.flow.tocsr()
+    out = []
+    i_of = {e: i for i, e in enumerate(experts)}
+    for e in range(E):
+        parts = floors[e].copy()
+        if e in i_of:
+            for j, r in enumerate(ranks_E[e]):
+                parts[j] += int(flow[1 + i_of[e], 1 + len(experts) + int(r)])
+        out.append(parts)
+    return out
+
+
 def _plan_with_quota(d_GE, q_E, cluster: Cluster, dims: ModelDims, budget, *, free_G, owner_E, backward_weight,
                      min_rows, info):
     G, E = d_GE.shape
@@ -151,9 +234,10 @@ def _plan_with_quota(d_GE, q_E, cluster: Cluster, dims: ModelDims, budget, *, fr
     rank_N = np.array([i.rank for i in instances])
     send = np.zeros((G, len(instances)), dtype=np.int64)
     quota = np.zeros_like(send)
+    kept_E = _instance_quotas(q_E, rows_E, [rank_N[cols] for cols in cols_E], G, backward_weight, hi)
     for e, cols in enumerate(cols_E):
         send[:, cols] = locality_split(d_GE[:, e], rank_N[cols], rows_E[e])
-        for n, b in zip(cols, largest_remainder(int(q_E[e]), rows_E[e])):
+        for n, b in zip(cols, kept_E[e]):
             quota[:, n] = largest_remainder(int(b), send[:, n])
     info = {**info, "threshold": hi, "quota_E": q_E, "n_keep": int(q_E.sum()), "backward_weight": backward_weight,
             "drop_ratio_effective": 1.0 - int(q_E.sum()) / max(int(d_E.sum()), 1)}

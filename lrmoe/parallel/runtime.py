@@ -174,6 +174,11 @@ class ExpertParallel:
         self.plan_seconds += time.perf_counter() - t0
         return plan
 
+    def planner_signature(self) -> str:
+        """Everything besides the demand and the policy that decides the plan (compared across ranks)."""
+        return repr((sorted(self.options.items()), repr(self.budget_bytes), self.cluster.domain_G.tolist(),
+                     self.grad_bytes, self.optimizer_bytes_per_param))
+
     def __repr__(self) -> str:
         return (f"ExpertParallel(E={self.num_experts}, rank={self.rank}/{self.world_size}, placement={self.placement!r}, "
                 f"slots_per_rank={self.cluster.slots_per_rank}, budget_bytes={self.budget_bytes}, options={self.options})")
@@ -191,8 +196,10 @@ def selection_quotas(plan: Plan, policy: BackwardPolicy, dims: ModelDims) -> Pla
     E = plan.demand_GE.shape[1]
     sent_E = expert_sum(plan.send_GN, ex, E).sum(0)
     P = int(sent_E.sum())
+    # n_keep is exactly round((1 - rho) P): pass rho on, as the single-process layer does (the
+    # proportional policy targets (1 - rho) d_e, not n_keep / P * d_e).
     q_E = quota_for(torch.as_tensor(sent_E), retained_total(P, policy.drop_ratio), policy.quota,
-                    **policy.quota_kwargs).numpy()
+                    drop_ratio=policy.drop_ratio, **policy.quota_kwargs).numpy()
     quota = np.zeros_like(plan.send_GN)
     rows_N = plan.rows_N
     for e in range(E):
@@ -245,7 +252,8 @@ def _gather_demand(ep: ExpertParallel, demand_E: torch.Tensor, header: list[int]
     bad = [r for r in range(ep.world_size) if not np.array_equal(rows[r, :h], rows[0, :h])]
     if bad:
         names = ["num_experts", "hidden", "intermediate", "top_k", "experts_per_rank", "weight dtype",
-                 "placement", "backward mode", "drop_ratio (1e-9)", "scorer", "quota policy", "slots_per_rank"]
+                 "placement", "backward mode", "drop_ratio (1e-9)", "scorer", "quota policy", "slots_per_rank",
+                 "quota/scorer options (crc)", "planner options, budget, fast domains, byte sizes (crc)"]
         diff = [f"{n}: rank 0 has {rows[0, j]}, rank {r} has {rows[r, j]}" for r in bad for j, n in enumerate(names)
                 if rows[r, j] != rows[0, j]]
         raise ValueError(f"expert-parallel layer configured differently across ranks ({'; '.join(diff)})")
@@ -417,7 +425,8 @@ class _EPExperts(torch.autograd.Function):
         watch.lap("combine")
         acc = acc_dtype(O_TKH, alpha_TK)
         y = torch.bmm(alpha_TK.to(acc).unsqueeze(1), O_TKH.to(acc)).squeeze(1).to(hidden_TH.dtype)
-        ep.last_forward_bytes = dict(call.comm)
+        for k, v in call.comm.items():  # summed over the pieces of a split microbatch
+            ep.last_forward_bytes[k] = ep.last_forward_bytes.get(k, 0) + v
         call.forward_timings = watch.times
         ctx.save_for_backward(hidden_TH, alpha_TK, gate_up, down, idx_TK, send_pair, O_TKH, phi_TK, X_g, GU, W_gu, W_d)
         ctx.call = call
@@ -579,13 +588,17 @@ def ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weig
     T, K = idx.shape
     E, H, I = ep.num_experts, hidden_TH.shape[1], gate_up_proj.shape[1] // 2
     header = [E, H, I, K, ep.experts_per_rank, _crc(str(gate_up_proj.dtype)), _crc(ep.placement), _MODES[policy.mode],
-              round(policy.drop_ratio * 1e9), _crc(policy.scorer), _crc(policy.quota), ep.cluster.slots_per_rank]
+              round(policy.drop_ratio * 1e9), _crc(policy.scorer), _crc(policy.quota), ep.cluster.slots_per_rank,
+              _crc(repr((sorted(policy.quota_kwargs.items()), sorted(policy.scorer_kwargs.items())))),
+              _crc(ep.planner_signature())]
     demand_GE = _gather_demand(ep, torch.bincount(idx.reshape(-1), minlength=E), header)
     dims = ep.dims(H, I, K, gate_up_proj.element_size())
     prev_state = ep.state
     ep.plan_seconds = 0.0
+    ep.last_forward_bytes = {}
     plan = ep.plan(demand_GE, dims, policy, state=prev_state)
-    ep.state = plan.state
+    if torch.is_grad_enabled():  # training calls advance the planner's state (SYMI's popularity);
+        ep.state = plan.state    # evaluation under no_grad plans from it and leaves it unchanged
     if plan.fallback == "oom":
         m = plan.memory.summary()
         raise EPOutOfMemoryError(
