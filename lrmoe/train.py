@@ -637,6 +637,10 @@ class LocalRunner:
     def load_data(cfg):
         return load_data(cfg)
 
+    @staticmethod
+    def policy_for_rank(policy):
+        return policy
+
     def build_model(self, make, policy):
         return make().to(self.device)
 
@@ -735,7 +739,7 @@ def _train(cfg: TrainConfig, out: Path, runner, progress: bool, stop_after: int 
     wall0 = time.perf_counter()
     train_set, heldout, data_stats = runner.load_data(cfg)
     vocab = int(data_stats["vocab_size"])
-    policy = cfg.policy()
+    policy = runner.policy_for_rank(cfg.policy())
     built = {}
 
     def make_model():

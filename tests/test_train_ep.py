@@ -241,3 +241,26 @@ def test_reproduce_runs_a_torchrun_preset(tmp_path, monkeypatch, capsys):
     assert json.loads((out / "reproduce.json").read_text())["failed"] == []
     assert reproduce(preset, out, figures=False, progress=False) == 0  # nothing left to run
     assert capsys.readouterr().out == ""
+
+
+def test_random_scorer_streams_differ_per_rank():
+    """Every rank seeding the random scorer with the same seed would draw the same sequence; the
+    distributed runner offsets it per rank (rank 0 keeps the configured seed)."""
+    from lrmoe import BackwardPolicy
+    import torch
+
+    from lrmoe.parallel.train_ep import DistributedRunner, rank_seed
+
+    seeds = [rank_seed(5, r) for r in range(8)]
+    assert seeds[0] == 5 and len(set(seeds)) == 8 and seeds == [rank_seed(5, r) for r in range(8)]
+    runner = object.__new__(DistributedRunner)  # no process group needed for this method
+    runner.world = 4
+    draws = []
+    for rank in range(4):
+        runner.rank = rank
+        p = runner.policy_for_rank(BackwardPolicy(0.2, scorer="random", seed=5))
+        assert p.seed == rank_seed(5, rank) and (p.drop_ratio, p.scorer) == (0.2, "random")
+        draws.append(torch.rand(6, generator=p.generator("cpu")))
+    assert all(not torch.equal(draws[0], d) for d in draws[1:])
+    unseeded = BackwardPolicy(0.2, scorer="random")
+    assert runner.policy_for_rank(unseeded) is unseeded

@@ -20,6 +20,8 @@ Semantics (docs/expert_parallel.md, "Training with torchrun"):
   after :func:`lrmoe.parallel.hf.finish_grad_sync` (dense gradients averaged over the ranks,
   expert gradients summed over the EP group by the runtime and divided by W) every gradient is
   that of the single-process loss on the global batch.
+* The ``random`` scorer's seed is offset per rank (:func:`rank_seed`), so ranks draw
+  independent streams (rank 0 keeps the configured seed).
 * Per-step statistics are sums over all ranks (loss, demand/quota/kept per expert, kept pairs,
   non-finite scores, the runtime's ``comm_bytes``); times are the maximum over ranks. Rank 0
   alone writes ``metrics.jsonl`` and ``summary.json``. Evaluation runs on every rank, each on its
@@ -33,10 +35,12 @@ Semantics (docs/expert_parallel.md, "Training with torchrun"):
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -46,6 +50,13 @@ from .runtime import ExpertParallel
 # Keys of BackwardRecord.comm_bytes (lrmoe.parallel.runtime), in the order they are logged.
 COMM_KEYS = ("fwd_weights", "fwd_dispatch", "fwd_combine", "fwd_phi", "bwd_grad_rows", "bwd_grad_index", "bwd_dx",
              "bwd_weight_grads")
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """Seed of rank ``rank``'s random-scorer generator: ``seed`` on rank 0, a different one per rank
+    (every rank seeding the same generator would give pairs at the same local position the same
+    draw on every rank)."""
+    return int(np.random.SeedSequence([int(seed), int(rank)]).generate_state(1, np.uint32)[0]) if rank else int(seed)
 
 
 def world_size_from_env() -> int:
@@ -106,6 +117,13 @@ class DistributedRunner:
         self.is_main = self.env.is_main
         self.eps: list[ExpertParallel] = []
         self.num_experts = 0
+
+    def policy_for_rank(self, policy):
+        """The backward policy of this rank: the random scorer's seed offset by the rank (see
+        :func:`rank_seed`), so ranks draw independent streams instead of the same sequence."""
+        if policy.seed is None or self.world == 1:
+            return policy
+        return dataclasses.replace(policy, seed=rank_seed(policy.seed, self.rank))
 
     # ------------------------------------------------------------------ data and model
     def load_data(self, cfg):
