@@ -213,7 +213,10 @@ def _plan_with_quota(d_GE, q_E, cluster: Cluster, dims: ModelDims, budget, *, fr
     row = token_row_bytes(dims)
     row_bytes_E = row["saved"] + frac_E * row["backward"]  # expert-side bytes per forward row
     base_G = np.bincount(owner_E, minlength=G) * instance_bytes(dims, replica=False)
-    mem_G = (base_G + row["dispatch"] * (d_GE.sum(1) + d_GE @ frac_E)
+    # Exactly rounded sums (not a BLAS matmul, whose summation order can depend on the CPU):
+    # every rank must compute the same plan.
+    kept_sent_G = np.array([math.fsum(r) for r in d_GE * frac_E]) if G else np.zeros(0)
+    mem_G = (base_G + row["dispatch"] * (d_GE.sum(1) + kept_sent_G)
              + np.bincount(owner_E, weights=d_E * row_bytes_E, minlength=G))
     cost_G = np.bincount(owner_E, weights=L_E, minlength=G)
     args = (cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, cluster.domain_G,
