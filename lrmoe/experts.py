@@ -18,6 +18,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from .kernels.grouped_gemm import grouped_mm, resolve_backend
 from .kernels.routing import count_by_value, kept_positions, select_top_quota, sort_pairs_by_expert, sum_rows_by_token
@@ -103,7 +104,12 @@ def score_pairs(policy: BackwardPolicy, alpha_TK, g_TH, phi_norm2_TK, hidden_TH,
     g_norm2_T = row_norm2(g_TH) if g_norm2_T is None else g_norm2_T
     inputs = ScoreInputs(alpha_TK, g_TH, phi_norm2_TK, hidden_TH, top_k_index_TK,
                          generator=policy.generator(g_TH.device), grad_norm2_T=g_norm2_T)
-    scores_TK = get_scorer(policy.scorer)(inputs, **policy.scorer_kwargs).float().reshape(T, K)
+    raw = get_scorer(policy.scorer)(inputs, **policy.scorer_kwargs)
+    if not isinstance(raw, torch.Tensor) or raw.shape not in ((T, K), (T * K,)) or raw.is_complex():
+        got = f"{raw.dtype} of shape {tuple(raw.shape)}" if isinstance(raw, torch.Tensor) else type(raw).__name__
+        raise ValueError(f"scorer {policy.scorer!r} returned {got}; a scorer must return real scores of shape "
+                         f"[T, K] = [{T}, {K}] (or [T*K] in pair order)")
+    scores_TK = raw.float().reshape(T, K)
     return scores_TK.masked_fill(~torch.isfinite(g_norm2_T).unsqueeze(1), float("inf"))
 
 
@@ -171,11 +177,16 @@ class _SelectiveExperts(torch.autograd.Function):
         compacts = policy.mode == "compact" and n_keep < P
         ctx.save_for_backward(hidden_TH, top_k_weights_TK, gate_up_proj, down_proj, top_k_index_TK,
                               perm_P, offs_E, demand_E, quota_E, GU, O_TKH, phi_norm2_TK, None if compacts else X)
+        # What backward does is settled here (a policy mutated between forward and backward
+        # cannot make the gradients disagree with the selection the record reports).
         ctx.policy, ctx.record, ctx.n_keep, ctx.compacts = policy, record, n_keep, compacts
+        ctx.masks = policy.mode == "mask" and n_keep < P
+        ctx.mode, ctx.drop_ratio = policy.mode, policy.drop_ratio
         ctx.backend, ctx.fused = backend, fused
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g_TH):
         (hidden_TH, alpha_TK, gate_up_proj, down_proj, top_k_index_TK, perm_P, offs_E, demand_E, quota_E,
          GU, O_TKH, phi_norm2_TK, X) = ctx.saved_tensors
@@ -217,7 +228,7 @@ class _SelectiveExperts(torch.autograd.Function):
         watch.lap("compact")
         acc = acc_dtype(g_TH, alpha_TK)
         G = g_TH.index_select(0, rows_token).to(acc).mul_(alpha_P.index_select(0, rows_pair).to(acc).unsqueeze(1))
-        if keep_P is not None and policy.mode == "mask":
+        if keep_P is not None and ctx.masks:
             G = torch.where(keep_P[rows_pair].unsqueeze(1), G, torch.zeros((), dtype=G.dtype, device=G.device))
         G = G.to(w_dtype)
         watch.lap("grad_rows")
@@ -244,7 +255,7 @@ class _SelectiveExperts(torch.autograd.Function):
             else:
                 nonfinite = (~torch.isfinite(g_norm2_T)).sum() * K
             record.fill(demand=demand_E, quota=quota_E, kept=kept_E, kept_mask=keep_P.view(T, K),
-                        scores=scores_TK, nonfinite=nonfinite, mode=policy.mode, drop_ratio=policy.drop_ratio,
+                        scores=scores_TK, nonfinite=nonfinite, mode=ctx.mode, drop_ratio=ctx.drop_ratio,
                         buffer_bytes=buffer_bytes(G.shape[0], H, I2 // 2, G.element_size()), timings=watch.times)
         return grad_hidden, grad_alpha, dW_gu, dW_d, None, None, None
 

@@ -64,11 +64,11 @@ class LRMoELayer(nn.Module):
         super().__init__()
         for name, v in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
                         ("num_experts", num_experts)):
-            if not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if not isinstance(top_k, int) or not (1 <= top_k <= num_experts):
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not (1 <= top_k <= num_experts):
             raise ValueError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
-        if not isinstance(n_shared_experts, int) or n_shared_experts < 0:
+        if isinstance(n_shared_experts, bool) or not isinstance(n_shared_experts, int) or n_shared_experts < 0:
             raise ValueError(f"n_shared_experts must be an int >= 0, got {n_shared_experts!r}")
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
         self.gate = make_router(router, hidden_size, num_experts, top_k, norm_topk_prob=norm_topk_prob, **router_kwargs)
@@ -82,12 +82,13 @@ class LRMoELayer(nn.Module):
     def reset_parameters(self, std: float | None = None) -> None:
         """Normal init with ``std`` (default 1/sqrt(fan_in) per projection, like nn.Linear's scale)."""
         H, I = self.hidden_size, self.experts.intermediate_size
-        self.gate.weight.normal_(0.0, std or 1 / math.sqrt(H))
-        self.experts.gate_up_proj.normal_(0.0, std or 1 / math.sqrt(H))
-        self.experts.down_proj.normal_(0.0, std or 1 / math.sqrt(I))
+        scale = (lambda fan_in: 1 / math.sqrt(fan_in)) if std is None else (lambda fan_in: std)  # noqa: E731
+        self.gate.weight.normal_(0.0, scale(H))
+        self.experts.gate_up_proj.normal_(0.0, scale(H))
+        self.experts.down_proj.normal_(0.0, scale(I))
         if self.shared_experts is not None:
             for lin in (self.shared_experts.gate_proj, self.shared_experts.up_proj, self.shared_experts.down_proj):
-                lin.weight.normal_(0.0, std or 1 / math.sqrt(lin.in_features))
+                lin.weight.normal_(0.0, scale(lin.in_features))
 
     @property
     def policy(self) -> BackwardPolicy:

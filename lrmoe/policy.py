@@ -1,6 +1,7 @@
 """Configuration of the selective backward (:class:`BackwardPolicy`) and what it did (:class:`BackwardRecord`)."""
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -47,7 +48,7 @@ class BackwardPolicy:
 
     def __post_init__(self):
         self.validate()
-        self._generators: dict[torch.device, torch.Generator] = {}
+        self._generators: dict[tuple[torch.device, int], torch.Generator] = {}
 
     def validate(self) -> "BackwardPolicy":
         """Check every field (also called on each use, so a policy mutated after creation is re-checked)."""
@@ -58,8 +59,14 @@ class BackwardPolicy:
             raise ValueError(f"unknown backward mode {self.mode!r}; accepted: {list(MODES)}")
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown grouped_mm backend {self.backend!r}; accepted: {list(BACKENDS)}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        for name in ("scorer_kwargs", "quota_kwargs"):
+            if not isinstance(getattr(self, name), dict):
+                raise ValueError(f"{name} must be a dict of keyword arguments, got {getattr(self, name)!r}")
+        _check_kwargs("scorer", self.scorer, get_scorer(self.scorer), self.scorer_kwargs, skip=1)
+        _check_kwargs("quota policy", self.quota, get_quota_policy(self.quota), self.quota_kwargs, skip=2,
+                      reserved=("drop_ratio",))
         if self.fuse_gather not in (None, True, False):
             raise ValueError(f"fuse_gather must be None, True or False, got {self.fuse_gather!r}")
         return self
@@ -75,13 +82,35 @@ class BackwardPolicy:
         return self.mode != "full" and self.drop_ratio > 0
 
     def generator(self, device: torch.device) -> torch.Generator | None:
-        """The seeded generator for ``device`` (created on first use), or None without a seed."""
+        """The seeded generator for ``device`` (created on first use, one stream per device and
+        seed: changing ``seed`` starts the new seed's stream), or None without a seed. ``cuda``
+        without an index means the current CUDA device, as for tensors."""
         if self.seed is None:
             return None
         device = torch.device(device)
-        if device not in self._generators:
-            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
-        return self._generators[device]
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        key = (device, self.seed)
+        if key not in self._generators:
+            self._generators[key] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generators[key]
+
+
+def _check_kwargs(kind: str, name: str, fn, kwargs: dict, skip: int, reserved: tuple = ()) -> None:
+    """ValueError unless ``kwargs`` bind to ``fn`` after its first ``skip`` positional arguments."""
+    bad = sorted(k for k in kwargs if k in reserved)
+    if bad:
+        raise ValueError(f"{kind} {name!r}: {bad} are set by the layer and cannot be given as options")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+        return
+    try:
+        sig.bind_partial(*([None] * skip), **kwargs)
+    except TypeError as e:
+        params = [p for p in list(sig.parameters)[skip:] if p not in reserved]
+        raise ValueError(f"{kind} {name!r} does not accept the options {sorted(kwargs)} ({e}); "
+                         f"its options: {params}") from None
 
 
 class BackwardRecord:

@@ -12,7 +12,7 @@ cluster simulator (planners call them with numpy arrays; they are converted and 
 """
 from __future__ import annotations
 
-import functools
+import numbers
 import inspect
 import math
 from fractions import Fraction
@@ -34,17 +34,26 @@ get_quota_policy = _QUOTA_POLICIES.get
 
 
 def check_drop_ratio(drop_ratio: float) -> float:
-    if isinstance(drop_ratio, bool) or not isinstance(drop_ratio, (int, float)) or not (0.0 <= drop_ratio < 1.0):
+    if isinstance(drop_ratio, bool) or not isinstance(drop_ratio, numbers.Real) or not (0.0 <= drop_ratio < 1.0):
         raise ValueError(f"drop_ratio must be a number in [0, 1), got {drop_ratio!r}")
     return float(drop_ratio)
 
 
 def keep_fraction(drop_ratio: float) -> Fraction:
-    """1 - drop_ratio as an exact fraction of the decimal the user wrote (0.3 -> 7/10, 1/3 -> 2/3).
+    """1 - drop_ratio as an exact fraction: of the decimal the user wrote (0.3 -> 7/10, i.e. the
+    shortest decimal that reads back as the float), or of a simple fraction when the float is
+    exactly that fraction's nearest float (1/3 -> 2/3; 0.1666667 stays 1666667/10^7, not 1/6).
 
     Rounding on the float product instead would turn 31.5 into 31.499999 (P=45, rho=0.3)."""
-    check_drop_ratio(drop_ratio)
-    return 1 - Fraction(repr(float(drop_ratio))).limit_denominator(1_000_000)
+    rho = check_drop_ratio(drop_ratio)
+    exact = Fraction(repr(rho))
+    simple = exact.limit_denominator(1_000_000)
+    if float(simple) == rho:
+        return 1 - simple
+    # Decimals of up to 9 digits are exact; longer ones (e.g. a float computed by a program) are
+    # taken to the nearest fraction with denominator <= 10^9, which keeps the integer arithmetic
+    # of the quota policies (demand x numerator) inside int64.
+    return 1 - (exact if exact.denominator <= 10**9 else exact.limit_denominator(10**9))
 
 
 def retained_total(num_pairs: int, drop_ratio: float) -> int:
@@ -151,8 +160,8 @@ def quota_for(demand_E: torch.Tensor, n_keep: int, policy: str = "waterfill", *,
     return q
 
 
-@functools.lru_cache(maxsize=None)
 def _accepts_drop_ratio(fn) -> bool:
+    """Whether the quota policy ``fn`` takes ``drop_ratio`` (any callable, hashable or not)."""
     params = inspect.signature(fn).parameters
     return "drop_ratio" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 

@@ -91,6 +91,8 @@ def load_balancing_loss(router_logits_TE: torch.Tensor, top_k_index_TK: torch.Te
 
     f_i: fraction of routed pairs sent to expert i; P_i: mean router probability of expert i.
     Equals Megatron's ``E / (k T^2) * sum_i (sum_t p_ti) * count_i``; 1.0 under perfect balance."""
+    if top_k_index_TK.numel() == 0:  # no tokens (e.g. an expert-parallel rank): 0, still in the graph
+        return router_logits_TE.float().sum() * 0.0
     probs = torch.softmax(router_logits_TE.float(), dim=-1)
     counts = count_by_value(top_k_index_TK.reshape(-1), num_experts).to(probs.dtype)
     f = counts / top_k_index_TK.numel()

@@ -25,7 +25,8 @@ Files written to ``out_dir`` (all atomically, so a killed run never leaves a tor
   model description, ``status`` ("running" or "done"), final metrics and timings.
 * ``checkpoint.pt``: model, optimizer, LR scheduler, RNG states (torch, CUDA, python, numpy, the
   backward policy's generator) and the data-loader position. Written every
-  ``checkpoint_interval`` steps, on ``stop_after``, on Ctrl-C (one process only) and at the end.
+  ``checkpoint_interval`` steps, on ``stop_after``, on Ctrl-C (one process only: the step in flight
+  finishes first, a second Ctrl-C stops at once without one) and at the end.
   Under torchrun it holds the full unsharded weights, and ``checkpoint.rank{r}.pt`` each rank's
   optimizer state, RNG states and placement-planner state.
 
@@ -61,7 +62,9 @@ import json
 import math
 import os
 import random
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -224,23 +227,29 @@ class TrainConfig:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be <= steps ({self.steps})")
         if not (isinstance(self.lr, (int, float)) and self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be a finite number > 0, got {self.lr!r}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
-        if self.clip < 0:
-            raise ValueError(f"clip must be >= 0 (0 turns clipping off), got {self.clip!r}")
+        def number(name, lo, hi=math.inf, lo_open=False, hi_open=False, what=""):
+            v = getattr(self, name)
+            ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                  and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi))
+            if not ok:
+                rng = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open or hi == math.inf else ']'}"
+                raise ValueError(f"{name} must be a finite number in {rng}{what}, got {v!r}")
+
+        number("min_lr_ratio", 0, 1)
+        number("weight_decay", 0)
+        number("clip", 0, what=" (0 turns clipping off)")
+        number("eps", 0, lo_open=True)
         for b in ("beta1", "beta2"):
-            if not 0 <= getattr(self, b) < 1:
-                raise ValueError(f"{b} must be in [0, 1), got {getattr(self, b)!r}")
-        if not 0 <= self.heldout_fraction < 1:
-            raise ValueError(f"heldout_fraction must be in [0, 1), got {self.heldout_fraction!r}")
-        if self.max_records is not None and self.max_records < 1:
-            raise ValueError(f"max_records must be >= 1 or None, got {self.max_records!r}")
-        if self.eval_batches is not None and self.eval_batches < 1:
-            raise ValueError(f"eval_batches must be >= 1 or None, got {self.eval_batches!r}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be >= 1 or None, got {self.threads!r}")
+            number(b, 0, 1, hi_open=True)
+        number("heldout_fraction", 0, 1, hi_open=True)
+
+        def optional_int(name):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be an integer >= 1 or None, got {v!r}")
+
+        for name in ("max_records", "eval_batches", "threads"):
+            optional_int(name)
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; accepted: {list(DTYPES)}")
         if self.device != "auto":
@@ -256,6 +265,14 @@ class TrainConfig:
             raise ValueError(f"sample_layers must be a list of integers, got {self.sample_layers!r}")
         if not isinstance(self.model_overrides, dict):
             raise ValueError(f"model_overrides must be a dict, got {self.model_overrides!r}")
+        if self.model_overrides and self.init_from is None:
+            from .hf import model_config
+
+            known = model_config(self.model).to_dict()
+            unknown = sorted(k for k in self.model_overrides if k not in known)
+            if unknown:  # transformers would store a misspelt field as an unused attribute
+                raise ValueError(f"model_overrides {unknown} are not fields of the {self.model!r} config; "
+                                 f"accepted: {sorted(known)}")
         self._validate_ep()
         self.policy()  # validates drop_ratio, scorer, quota, mode, policy seed
         return self
@@ -312,7 +329,7 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     """Multiplier of ``cfg.lr`` for optimizer step ``step`` (0-based): linear warm-up, cosine decay."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
-    decay_steps = max(1, cfg.steps - cfg.warmup_steps)
+    decay_steps = max(1, cfg.steps - cfg.warmup_steps - 1)  # the last step (steps - 1) gets min_lr_ratio
     progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
@@ -572,7 +589,9 @@ def evaluate(model, heldout, cfg: TrainConfig, device, autocast, runner=None) ->
         batch = {k: heldout.tensors[k][idx].to(device) for k in ("input_ids", "labels", "position_ids")}
         batch, counted = runner.eval_rows(batch)
         with autocast():
-            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+            # use_cache=False: with a cache, transformers builds a plain causal mask and packed
+            # documents would attend to each other; without one the mask follows position_ids.
+            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
         loss_sum, tokens = _token_loss(logits, batch["labels"])
         if counted:
             total += float(loss_sum)
@@ -759,6 +778,8 @@ def _train(cfg: TrainConfig, out: Path, runner, progress: bool, stop_after: int 
             built["overrides"] = {"vocab_size": vocab, **cfg.model_overrides}
             model = hf.build_model(cfg.model, policy=policy, seed=cfg.seed, **built["overrides"])
         mods = hf.experts_modules(model)  # counted before the experts are sharded
+        # the family of what was built or loaded (an init_from checkpoint may not be the preset's)
+        built["family"] = getattr(model.config, "model_type", None) or hf.MODEL_PRESETS[cfg.model].family
         built.update(parameters=sum(p.numel() for p in model.parameters()), moe_layers=len(mods),
                      experts=int(mods[0].gate_up_proj.shape[0]) if mods else 0)
         return model
@@ -804,7 +825,7 @@ def _train(cfg: TrainConfig, out: Path, runner, progress: bool, stop_after: int 
 
     base = {"config": cfg.to_dict(), "seed": cfg.seed, "environment": _environment(device),
             "data": {k: v for k, v in data_stats.items() if k != "config"},
-            "model": {"preset": cfg.model, "family": hf.MODEL_PRESETS[cfg.model].family,
+            "model": {"preset": cfg.model, "family": built["family"],
                       "parameters": n_parameters, "moe_layers": n_moe, "experts": n_experts,
                       "sampled_layers": sampled, "vocab_size": vocab, "overrides": overrides,
                       "autocast_bf16": use_bf16},
@@ -836,8 +857,26 @@ def _train(cfg: TrainConfig, out: Path, runner, progress: bool, stop_after: int 
         bar = tqdm(total=cfg.steps, initial=step, desc=out.name, unit="step", dynamic_ncols=True,
                    disable=not progress)
     mf = open(metrics_path, "a") if main else None
+    # Ctrl-C (one process, main thread): the step in flight finishes (its metrics row included),
+    # then a checkpoint is written at that step boundary, so a resumed run equals an uninterrupted
+    # one. A second Ctrl-C stops at once, without a checkpoint (the last one written stands).
+    stop_requested, prev_sigint, at_boundary = [], None, False
+    if not runner.distributed and threading.current_thread() is threading.main_thread():
+        def _on_sigint(signum, frame):
+            stop_requested.append(signum)
+            signal.signal(signal.SIGINT, prev_sigint)
+            msg = "Ctrl-C: finishing this step, then writing a checkpoint (Ctrl-C again to stop at once)"
+            if bar is not None:
+                bar.write(msg)
+            else:
+                print(msg, file=sys.stderr, flush=True)
+
+        prev_sigint = signal.signal(signal.SIGINT, _on_sigint)
     try:
         while step < cfg.steps:
+            if stop_requested:
+                at_boundary = True
+                raise KeyboardInterrupt
             if stop_after is not None and step >= stop_after:
                 break
             t0 = time.perf_counter()
@@ -856,7 +895,8 @@ def _train(cfg: TrainConfig, out: Path, runner, progress: bool, stop_after: int 
             for b in runner.local_batches(batches):  # EP: this rank's rows of every micro-batch
                 b = {k: v.to(device, non_blocking=True) for k, v in b.items()}
                 with autocast():
-                    logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"]).logits
+                    logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"],
+                                   use_cache=False).logits  # block-causal mask over packed documents
                 loss_sum, _ = _token_loss(logits, b["labels"])
                 loss = loss_sum / max(1, n_label)
                 runner.backward(loss)
@@ -920,11 +960,16 @@ def _train(cfg: TrainConfig, out: Path, runner, progress: bool, stop_after: int 
                 checkpoint()
                 write_summary("running")
     except KeyboardInterrupt:
-        if not runner.distributed:  # ranks interrupted at different points cannot run the collectives
+        # Only at a step boundary is the state consistent (mid-step, the data stream and the RNGs
+        # have advanced but the step is not done); ranks interrupted at different points could not
+        # run the checkpoint's collectives anyway.
+        if at_boundary and not runner.distributed:
             checkpoint()
             write_summary("running")
         raise
     finally:
+        if prev_sigint is not None:
+            signal.signal(signal.SIGINT, prev_sigint)
         if mf is not None:
             mf.close()
         timer.remove()

@@ -45,6 +45,15 @@ def level_name(drop: float) -> str:
 # ----------------------------------------------------------------------------- results
 
 
+def _rows_per_step(config: dict):
+    """Rows per optimizer step of a run config (global_batch, else micro_batch x grad_accum)."""
+    if config.get("global_batch"):
+        return config["global_batch"]
+    if "micro_batch" in config:
+        return config["micro_batch"] * (config.get("grad_accum") or 1)
+    return "?"
+
+
 @dataclass
 class Run:
     name: str
@@ -165,7 +174,7 @@ class Results:
         data = next((r.summary.get("data", {}) for r in self.runs.values() if r.summary.get("data")), {})
         recs = f"{data.get('train_records', rec or '?')} training records" if data else f"{rec or 'all'} records"
         return (f"{models}; {recs} of Alpaca, seq {base.get('seq_len', '?')}, "
-                f"{base.get('global_batch') or base.get('micro_batch', '?')} rows/step, {base.get('steps', '?')} steps")
+                f"{_rows_per_step(base)} rows/step, {base.get('steps', '?')} steps")
 
     def find(self, family: str, drop: float, scorer: str | None, seed: int) -> Run | None:
         for r in self.runs.values():
