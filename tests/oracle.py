@@ -2,6 +2,8 @@
 import torch
 import torch.nn.functional as F
 
+f64 = torch.float64
+
 
 def expert_ref(x_H, gate_up_2IH, down_HI):
     gate, up = (gate_up_2IH @ x_H).chunk(2)
@@ -38,3 +40,22 @@ def expected_keep(scores_TK, idx_TK, quota_E):
         pairs = sorted((u for u in range(T * K) if int(idx_TK.reshape(-1)[u]) == e), key=lambda u: (-s[u], u))
         keep[pairs[:q]] = True
     return keep.view(T, K)
+
+
+def make_case(T, H, I, E, K, *, hot=None, empty=(), seed=None):
+    """Random float64 routing case (x, top-k index, weights, gate_up, down, dy): distinct experts per
+    token; ``empty`` experts get no pair; ``hot`` sits in most tokens' first slot; ``seed`` None:
+    drawn from torch's global RNG (seeded per test)."""
+    g = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**31, ())))
+    x = torch.randn(T, H, dtype=f64, generator=g)
+    allowed = [e for e in range(E) if e not in empty]
+    idx = torch.stack([torch.tensor(allowed)[torch.randperm(len(allowed), generator=g)[:K]] for _ in range(T)])
+    if hot is not None:  # one expert in most tokens' first slot
+        for t in range(T):
+            if torch.rand((), generator=g) < 0.8 and hot not in idx[t]:
+                idx[t, 0] = hot
+    w = torch.rand(T, K, dtype=f64, generator=g) + 0.1
+    gu = torch.randn(E, 2 * I, H, dtype=f64, generator=g) / H**0.5
+    dn = torch.randn(E, H, I, dtype=f64, generator=g) / I**0.5
+    dy = torch.randn(T, H, dtype=f64, generator=g)
+    return x, idx, w, gu, dn, dy

@@ -14,29 +14,10 @@ import torch
 from lrmoe import BackwardPolicy, BackwardRecord, LRMoELayer, lrmoe_experts
 from lrmoe.quota import compute_quota, register_quota_policy, retained_total, waterfill_quota
 from lrmoe.scorers import register_scorer
-from oracle import moe_loop
+from oracle import make_case, moe_loop
+from test_experts import run_lrmoe
 
 f64 = torch.float64
-
-
-def make_case(T, H, I, E, K, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, dtype=f64, generator=g)
-    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-    w = torch.rand(T, K, dtype=f64, generator=g) + 0.1
-    gu = torch.randn(E, 2 * I, H, dtype=f64, generator=g) / H**0.5
-    dn = torch.randn(E, H, I, dtype=f64, generator=g) / I**0.5
-    dy = torch.randn(T, H, dtype=f64, generator=g)
-    return x, idx, w, gu, dn, dy
-
-
-def run_lrmoe(case, policy):
-    x, idx, w, gu, dn, dy = case
-    leaves = [t.clone().requires_grad_() for t in (x, w, gu, dn)]
-    rec = BackwardRecord()
-    y = lrmoe_experts(leaves[0], idx, leaves[1], leaves[2], leaves[3], policy, rec)
-    y.backward(dy)
-    return y.detach(), [t.grad for t in leaves], rec
 
 
 def exact_retained(P, rho_text):

@@ -6,25 +6,9 @@ import torch
 
 from lrmoe import BackwardPolicy, BackwardRecord, lrmoe_experts
 from lrmoe.quota import retained_total
-from oracle import expected_keep, moe_loop
+from oracle import expected_keep, make_case, moe_loop
 
 f64 = torch.float64
-
-
-def make_case(T, H, I, E, K, *, hot=None, empty=(), seed=None):
-    g = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**31, ())))
-    x = torch.randn(T, H, dtype=f64, generator=g)
-    allowed = [e for e in range(E) if e not in empty]
-    idx = torch.stack([torch.tensor(allowed)[torch.randperm(len(allowed), generator=g)[:K]] for _ in range(T)])
-    if hot is not None:  # one expert in most tokens' first slot
-        for t in range(T):
-            if torch.rand((), generator=g) < 0.8 and hot not in idx[t]:
-                idx[t, 0] = hot
-    w = torch.rand(T, K, dtype=f64, generator=g) + 0.1
-    gu = torch.randn(E, 2 * I, H, dtype=f64, generator=g) / H**0.5
-    dn = torch.randn(E, H, I, dtype=f64, generator=g) / I**0.5
-    dy = torch.randn(T, H, dtype=f64, generator=g)
-    return x, idx, w, gu, dn, dy
 
 
 def run_lrmoe(case, policy):

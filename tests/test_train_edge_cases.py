@@ -11,33 +11,10 @@ import torch
 
 import lrmoe.hf as hf
 from lrmoe import BackwardPolicy
-from lrmoe.data import shared_data_dir
 from lrmoe.train import TrainConfig, read_metrics, train
 
-TINY = shared_data_dir() / "alpaca" / "alpaca_tiny.json"
-
-
-@pytest.fixture(autouse=True)
-def _isolated_caches(tmp_path_factory, monkeypatch):
-    base = tmp_path_factory.getbasetemp()
-    monkeypatch.setenv("HF_HOME", str(base / "hf"))
-    monkeypatch.setenv("LRMOE_CACHE", str(base / "lrmoe_cache"))
-    monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
-    torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def data_path():
-    if not TINY.exists():
-        pytest.skip("no shared data")
-    return str(TINY)
-
-
-def cfg(data_path, **kw):
-    base = dict(model="qwen3-moe-tiny", data=data_path, tokenizer="bpe:300", seq_len=64, micro_batch=2, steps=6,
-                lr=3e-3, warmup_steps=2, threads=1, heldout_fraction=0.1, eval_batches=2)
-    base.update(kw)
-    return TrainConfig(**base)
+# the offline data, the cache isolation (autouse) and the small run config of the training tests
+from test_train import _isolated_caches, cfg, data_path  # noqa: E402,F401
 
 
 # ----------------------------------------------------------------------------- hf: experts forward
