@@ -424,6 +424,25 @@ def build_alpaca_splits(
 # ----------------------------------------------------------------------------- caching
 
 
+def source_fingerprint(source: str) -> str | None:
+    """sha256 of a local data file (of every file's name, size and content under a local
+    directory); None for a hub id (the hub's own cache is keyed by revision)."""
+    path = Path(source)
+    if path.is_file():
+        files = [path]
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+    else:
+        return None
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f"{f.relative_to(path) if path.is_dir() else f.name}\0{f.stat().st_size}\0".encode())
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
 def prepare(
     source=None,
     tokenizer: str = "bpe:4096",
@@ -445,7 +464,10 @@ def prepare(
     config = dict(source=source, tokenizer=tokenizer, seq_len=seq_len, heldout_fraction=heldout_fraction,
                   seed=seed, max_records=max_records, max_doc_len=max_doc_len)
     if out is None:
-        key = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
+        # the source's content is part of the key: an edited or replaced file at the same path
+        # gets a new cache file instead of the stale one
+        keyed = dict(config, source_fingerprint=source_fingerprint(source))
+        key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:12]
         out = default_cache_dir() / f"alpaca-{key}.pt"
     out = Path(out)
     if out.exists() and not overwrite:

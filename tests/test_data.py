@@ -284,3 +284,24 @@ def test_prepare_caches_and_loads(tmp_path, shared, monkeypatch):
     assert data.prepare(TINY, "bpe:300", seq_len=64, heldout_fraction=0.1, seed=3, max_records=40) == out
     data.main(["--data", str(TINY), "--tokenizer", "bpe:300", "--seq-len", "64", "--heldout-fraction", "0.1",
                "--seed", "3", "--max-records", "40"])  # same arguments: same cached file, no rebuild
+
+
+def test_prepare_cache_follows_the_file_content(tmp_path, shared):
+    """A data file edited (or replaced) at the same path gets a new cache file, not the stale one."""
+    src = tmp_path / "alpaca.json"
+    records = json.loads(TINY.read_text())
+    src.write_text(json.dumps(records[:30]))
+    first = data.prepare(src, "bpe:300", seq_len=64, heldout_fraction=0.1, seed=3)
+    assert data.prepare(src, "bpe:300", seq_len=64, heldout_fraction=0.1, seed=3) == first
+    src.write_text(json.dumps(records[5:35]))
+    second = data.prepare(src, "bpe:300", seq_len=64, heldout_fraction=0.1, seed=3)
+    assert second != first
+    a, b = data.load_prepared(first)[0], data.load_prepared(second)[0]
+    assert not torch.equal(a.tensors["input_ids"], b.tensors["input_ids"])
+    assert data.source_fingerprint("tatsu-lab/alpaca") is None  # a hub id: the hub's cache decides
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "a.json").write_text("[]")
+    fp = data.source_fingerprint(str(folder))
+    (folder / "a.json").write_text("[ ]")
+    assert data.source_fingerprint(str(folder)) != fp
