@@ -425,8 +425,8 @@ def build_alpaca_splits(
 
 
 def source_fingerprint(source: str) -> str | None:
-    """sha256 of a local data file (of every file's name, size and content under a local
-    directory); None for a hub id (the hub's own cache is keyed by revision)."""
+    """sha256 of a local data file's content (of every file's relative name, size and content
+    under a local directory); None for a hub id (the hub's own cache is keyed by revision)."""
     path = Path(source)
     if path.is_file():
         files = [path]
@@ -436,7 +436,7 @@ def source_fingerprint(source: str) -> str | None:
         return None
     digest = hashlib.sha256()
     for f in files:
-        digest.update(f"{f.relative_to(path) if path.is_dir() else f.name}\0{f.stat().st_size}\0".encode())
+        digest.update(f"{f.relative_to(path) if path.is_dir() else ''}\0{f.stat().st_size}\0".encode())
         with open(f, "rb") as fh:
             for block in iter(lambda: fh.read(1 << 20), b""):
                 digest.update(block)

@@ -5,7 +5,8 @@ list of :class:`RunSpec`, each with a stable run name). Results go to ``<out>/<r
 (default ``results/<preset>/``): ``metrics.jsonl``, ``summary.json``, ``checkpoint.pt`` per run,
 plus ``manifest.json`` (the preset and its runs) and ``reproduce.json`` (wall time of the last
 call). A run whose ``summary.json`` says ``done`` is skipped, so a killed ``reproduce`` resumes
-(an unfinished run continues from its checkpoint). Then ``lrmoe figures`` writes the tables and
+(an unfinished run continues from its checkpoint); a finished run of another config (a changed
+preset or ``--data``) is refused, not reused (exit status 2, the differences listed). Then ``lrmoe figures`` writes the tables and
 figures into ``<out>/tables`` and ``<out>/figures``.
 
 A torchrun preset (``paper``: 8 processes, ``--ep 8``) is launched one ``torchrun`` per run: from
@@ -30,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .train import TrainConfig, run_status
+from .train import TrainConfig, _read_json, config_differences, run_status
 
 DROPS_E1 = (0.0, 0.1, 0.2, 0.3)
 SCORERS_E2 = ("lrm", "grad_norm", "abs_grad", "random")
@@ -183,7 +184,15 @@ def plan(preset: str | Preset, out_dir=None, only: str | None = None, data: str 
         rx = re.compile(only)
         runs = [r for r in runs if rx.search(r.name)]
     return {"preset": p, "out": out, "runs": runs, "all_runs": all_runs, "skip": skip,
-            "status": {r.name: run_status(out / r.name) for r in runs}}
+            "status": {r.name: run_status(out / r.name) for r in runs},
+            "stale": {r.name: d for r in runs if (d := _stale(out / r.name, r.config))}}
+
+
+def _stale(run_dir: Path, config: dict) -> list[str]:
+    """How the run already in ``run_dir`` differs from the preset's ``config`` ([] if it does not,
+    or if there is none): such a run is neither reused nor overwritten."""
+    s = _read_json(run_dir / "summary.json")
+    return config_differences(s.get("config", {}), config) if s else []
 
 
 def _run_one(spec: dict, out_dir: str, progress: bool) -> dict:
@@ -347,6 +356,13 @@ def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_r
     if pl["skip"]:
         print(f"lrmoe reproduce: skipped: {pl['skip']}", file=sys.stderr)
         return 0
+    if pl["stale"]:
+        if main:
+            print(f"lrmoe reproduce: {len(pl['stale'])} run folder(s) under {out}/ hold runs of another config "
+                  f"(a changed preset, --data or kit version); move or delete them, or use --out:", file=sys.stderr)
+            for name, diff in pl["stale"].items():
+                print(f"  {name}: {'; '.join(diff)}", file=sys.stderr)
+        return 2
     if p.launcher == "torchrun" and not under_torchrun:
         return _launch_torchrun(p, out, pl["all_runs"], runs, pending, figures)
     if main:

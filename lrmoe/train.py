@@ -545,6 +545,23 @@ def _comparable(d: dict) -> dict:
     return {k: v for k, v in d.items() if k not in _RUNTIME_FIELDS}
 
 
+def config_differences(a: dict, b: dict) -> list[str]:
+    """The fields in which two run configs differ (runtime-only fields aside), as "name: a != b".
+    ``data`` differs only if the two sources are not local files (or folders) with the same
+    content: a moved data folder still holds the same run."""
+    ca, cb = _comparable(a), _comparable(b)
+    out = [f"{k}: {ca.get(k)!r} != {cb.get(k)!r}" for k in sorted(set(ca) | set(cb))
+           if k != "data" and ca.get(k) != cb.get(k)]
+    da, db = ca.get("data"), cb.get("data")
+    if da != db:
+        from .data import source_fingerprint
+
+        fa = source_fingerprint(da) if da else None
+        if fa is None or fa != (source_fingerprint(db) if db else None):
+            out.append(f"data: {da!r} != {db!r}")
+    return out
+
+
 def read_metrics(path) -> list[dict]:
     """The per-step records of a metrics.jsonl (a torn last line is ignored)."""
     out = []
@@ -731,8 +748,9 @@ def train(cfg: TrainConfig, out_dir, progress: bool = True, stop_after: int | No
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     previous = _read_json(out / "summary.json")
-    if previous is not None and _comparable(previous.get("config", {})) != _comparable(cfg.to_dict()):
-        raise ValueError(f"{out} holds a different run (its summary.json has another config); "
+    diff = config_differences(previous.get("config", {}), cfg.to_dict()) if previous is not None else []
+    if diff:
+        raise ValueError(f"{out} holds a different run (its summary.json has another config: {'; '.join(diff)}); "
                          "use a fresh output directory or delete that one")
     if previous is not None and previous.get("status") == "done":
         return previous
@@ -806,7 +824,7 @@ def _train(cfg: TrainConfig, out: Path, runner, progress: bool, stop_after: int 
 
     if ckpt_path.exists():
         ck = runner.load_checkpoint(ckpt_path)
-        if _comparable(ck["config"]) != _comparable(cfg.to_dict()):
+        if config_differences(ck["config"], cfg.to_dict()):
             raise ValueError(f"{ckpt_path} was written by a different config; use a fresh output directory")
         runner.load_state(ckpt_path, ck, model, opt, lambda state: _set_rng_state(state, policy, device))
         sched.load_state_dict(ck["scheduler"])

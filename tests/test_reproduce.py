@@ -82,6 +82,27 @@ def test_second_call_skips_finished_runs(smoke, capsys):
     assert "0 to run" in capsys.readouterr().err
 
 
+def test_finished_runs_of_another_config_are_refused(smoke, tmp_path, capsys):
+    """A finished run whose config differs from the preset's (an older kit, another --data) is
+    neither reused silently nor overwritten: reproduce lists the differences and exits with 2.
+    The same data at another path (a moved data folder) is still the same run."""
+    copy = tmp_path / "copy"
+    shutil.copytree(smoke, copy, ignore=shutil.ignore_patterns("checkpoint.pt"))
+    moved = tmp_path / "moved.json"
+    shutil.copy(TINY, moved)
+    assert reproduce("smoke", copy, data=str(moved), figures=False, progress=False) == 0  # same content
+    assert "0 to run" in capsys.readouterr().err
+    run = next(p for p in sorted(copy.iterdir()) if (p / "summary.json").exists())
+    summary = json.loads((run / "summary.json").read_text())
+    summary["config"]["lr"] = summary["config"]["lr"] * 2
+    (run / "summary.json").write_text(json.dumps(summary))
+    before = (run / "metrics.jsonl").read_text()
+    assert reproduce("smoke", copy, figures=False, progress=False) == 2
+    err = capsys.readouterr().err
+    assert f"{run.name}: lr:" in err and "move or delete them" in err
+    assert (run / "metrics.jsonl").read_text() == before
+
+
 def test_missing_runs_say_not_run(smoke, tmp_path):
     from paper_figures import make_all
 
