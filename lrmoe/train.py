@@ -66,6 +66,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -616,6 +617,10 @@ def evaluate(model, heldout, cfg: TrainConfig, device, autocast, runner=None) ->
     total, count = runner.sum_eval(total, count)
     model.train(was_training)
     if count == 0:
+        if runner.is_main:
+            warnings.warn(f"evaluation found no response tokens in the {len(starts)} held-out micro-batch(es) "
+                          f"evaluated (of {n} rows): no eval_loss this step; raise eval_batches or heldout_fraction",
+                          stacklevel=2)
         return {}
     loss = total / count
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_tokens": count}

@@ -282,3 +282,15 @@ def test_bf16_autocast_on_cpu_tracks_fp32(data_path, tmp_path):
     ra, rb = read_metrics(tmp_path / "a" / "metrics.jsonl"), read_metrics(tmp_path / "b" / "metrics.jsonl")
     assert rb[0]["loss"] == pytest.approx(ra[0]["loss"], rel=2e-2)
     assert math.isfinite(rb[-1]["eval_loss"])
+
+
+def test_evaluation_without_response_tokens_warns():
+    from lrmoe.data import AlpacaDataset, pack_examples
+    from lrmoe.train import evaluate
+
+    model = hf.build_model("qwen3-moe-tiny", vocab_size=97, seed=1)
+    ids = list(range(1, 13))
+    held = AlpacaDataset(pack_examples([(ids, [-100] * len(ids))], 12, seed=0))  # prompt only
+    noop = lambda: torch.autocast("cpu", enabled=False)  # noqa: E731
+    with pytest.warns(UserWarning, match="no response tokens"):
+        assert evaluate(model, held, TrainConfig(micro_batch=1), torch.device("cpu"), noop) == {}
