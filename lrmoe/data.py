@@ -16,7 +16,11 @@ Conventions
   and the model shifts them internally (logits at t predict labels at t + 1). A label is -100
   (ignored) on every prompt token, and equals the input id on response tokens and the EOS.
 * Packing concatenates the shuffled documents into one token stream and cuts it into rows of
-  exactly `seq_len` tokens, so a document may continue from one row into the next.
+  exactly `seq_len` tokens, so a document may continue from one row into the next. Consecutive
+  rows overlap by one token: a row after the first starts with the previous row's last token,
+  as context only (label -100: it was that row's target), because the label at a row's first
+  position is never trained (logits at t predict labels at t + 1). So every response token and
+  EOS is a target exactly once; rows advance by `seq_len - 1` tokens.
 * Document boundaries: `position_ids` restart at 0 at the first token of every document (a
   document continued into the next row keeps counting), and `doc_ids` holds, for every token,
   the index of its record in the list given to `pack_examples` (-1 on padding). The label of
@@ -303,14 +307,21 @@ def pack_examples(examples, seq_len: int, seed: int = 0, pad_id: int = 0) -> dic
     positions = torch.arange(len(ids)) - torch.repeat_interleave(starts, lengths)
     doc_ids = torch.repeat_interleave(order, lengths)
 
-    pad = -len(ids) % seq_len
-    out = {
+    # Rows of seq_len tokens advancing by seq_len - 1: row r covers stream positions
+    # [r (L - 1), r (L - 1) + L), so its first token repeats the previous row's last one.
+    stride = seq_len - 1
+    n_rows = max(1, -(-(len(ids) - 1) // stride))
+    pad = n_rows * stride + 1 - len(ids)
+    stream = {
         "input_ids": torch.cat([ids, torch.full((pad,), pad_id)]),
         "labels": torch.cat([labels, torch.full((pad,), IGNORE_INDEX)]),
         "position_ids": torch.cat([positions, torch.arange(pad)]),
         "doc_ids": torch.cat([doc_ids, torch.full((pad,), -1)]),
     }
-    return {k: v.view(-1, seq_len) for k, v in out.items()}
+    index = torch.arange(n_rows).unsqueeze(1) * stride + torch.arange(seq_len)
+    out = {k: v[index] for k, v in stream.items()}
+    out["labels"][1:, 0] = IGNORE_INDEX  # context only: the previous row already trains it
+    return out
 
 
 def _empty_packed(seq_len: int) -> dict[str, torch.Tensor]:
@@ -319,13 +330,15 @@ def _empty_packed(seq_len: int) -> dict[str, torch.Tensor]:
 
 
 def packed_stats(packed: dict[str, torch.Tensor]) -> dict[str, int]:
-    """Counts for a packed set: rows, documents, real tokens, response (label) tokens, padding."""
+    """Counts for a packed set: rows, documents, real tokens (the one-token overlap of consecutive
+    rows counted once), trained response tokens (labels a model's shifted loss reaches), padding."""
     real = packed["doc_ids"] >= 0
+    overlap = int(real[1:, 0].sum()) if real.shape[0] > 1 else 0
     return {
         "rows": packed["input_ids"].shape[0],
         "docs": int(packed["doc_ids"][real].unique().numel()),
-        "tokens": int(real.sum()),
-        "response_tokens": int((packed["labels"] != IGNORE_INDEX).sum()),
+        "tokens": int(real.sum()) - overlap,
+        "response_tokens": int((packed["labels"][:, 1:] != IGNORE_INDEX).sum()),
         "pad_tokens": int((~real).sum()),
     }
 
@@ -424,6 +437,11 @@ def build_alpaca_splits(
 # ----------------------------------------------------------------------------- caching
 
 
+# Version of the tokenised/packed layout: part of the cache key, bumped whenever the data code
+# changes what it writes (2: rows overlap by one token), so no stale cache outlives a fix.
+PACKED_FORMAT = 2
+
+
 def source_fingerprint(source: str) -> str | None:
     """sha256 of a local data file's content (of every file's relative name, size and content
     under a local directory); None for a hub id (the hub's own cache is keyed by revision)."""
@@ -466,7 +484,7 @@ def prepare(
     if out is None:
         # the source's content is part of the key: an edited or replaced file at the same path
         # gets a new cache file instead of the stale one
-        keyed = dict(config, source_fingerprint=source_fingerprint(source))
+        keyed = dict(config, source_fingerprint=source_fingerprint(source), format=PACKED_FORMAT)
         key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:12]
         out = default_cache_dir() / f"alpaca-{key}.pt"
     out = Path(out)

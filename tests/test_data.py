@@ -174,9 +174,21 @@ def test_packing_preserves_documents():
     assert set(p) == {"input_ids", "labels", "position_ids", "doc_ids"}
     assert all(v.dtype == torch.long and v.shape == (p["input_ids"].shape[0], seq_len) for v in p.values())
 
-    ids, labels, pos, doc = (p[k].flatten().tolist() for k in ("input_ids", "labels", "position_ids", "doc_ids"))
+    # Consecutive rows overlap by one token (the first token of a row repeats the previous row's
+    # last, as context with label -100): drop that column of every later row to get the stream.
+    rows = p["input_ids"].shape[0]
+    for r in range(1, rows):
+        assert p["input_ids"][r, 0] == p["input_ids"][r - 1, -1] and p["labels"][r, 0] == IGNORE_INDEX
+        assert p["position_ids"][r, 0] == p["position_ids"][r - 1, -1] and p["doc_ids"][r, 0] == p["doc_ids"][r - 1, -1]
+    stream = {k: torch.cat([p[k][0]] + [p[k][r, 1:] for r in range(1, rows)]) for k in p}
+    ids, labels, pos, doc = (stream[k].tolist() for k in ("input_ids", "labels", "position_ids", "doc_ids"))
     n_real = sum(len(x) for x, _ in examples)
-    assert len(ids) - n_real == -n_real % seq_len  # only the last row is padded, by less than a row
+    # only the tail is padded, up to the next row boundary (rows advance by seq_len - 1)
+    assert len(ids) - n_real == (-(n_real - 1) % (seq_len - 1) if n_real > 1 else seq_len - 1)
+    # every label of the stream is a target of the shifted loss (none sits at a row's first column)
+    trained = int((p["labels"][:, 1:] != IGNORE_INDEX).sum())
+    assert trained == sum(1 for x in labels if x != IGNORE_INDEX)
+    assert data.packed_stats(p)["response_tokens"] == trained and data.packed_stats(p)["tokens"] == n_real
     assert doc[n_real:] == [-1] * (len(ids) - n_real) and ids[n_real:] == [-7] * (len(ids) - n_real)
     assert set(labels[n_real:]) <= {IGNORE_INDEX} and -1 not in doc[:n_real]
 
