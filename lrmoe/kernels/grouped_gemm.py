@@ -61,6 +61,23 @@ def check_grouped_mm_args(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.
     return G
 
 
+def check_index(name: str, index: torch.Tensor | None, device: torch.device) -> None:
+    if index is None:
+        return
+    if index.dim() != 1 or index.dtype not in (torch.int32, torch.int64) or index.device != device:
+        raise ValueError(f"{name} must be a 1-D int32/int64 tensor on {device}, got {index.dtype} of shape "
+                         f"{tuple(index.shape)} on {index.device}")
+
+
+def check_out(out: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torch.device, exact: bool) -> None:
+    ok = out.dtype == dtype and out.device == device and out.dim() == len(shape)
+    ok = ok and (tuple(out.shape) == shape if exact else tuple(out.shape[1:]) == shape[1:])
+    if not ok:
+        want = f"[{shape[0] if exact else '*'}, {', '.join(map(str, shape[1:]))}]"
+        raise ValueError(f"out must be a {dtype} tensor of shape {want} on {device}, got {out.dtype} of shape "
+                         f"{tuple(out.shape)} on {out.device}")
+
+
 def grouped_mm_loop(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Reference: one ``torch.mm`` per group (one host sync to read the offsets)."""
     ends = offs.tolist()
@@ -130,6 +147,19 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *, 
         raise ValueError("out_index applies to the row split (2D x 3D) only")
     if accumulate and out is None:
         raise ValueError("accumulate=True needs out=")
+    device = mat_a.device
+    for name, index in (("a_index", a_index), ("b_index", b_index), ("out_index", out_index)):
+        check_index(name, index, device)
+    if mat_b.dim() == 3:
+        M = a_index.numel() if a_index is not None else mat_a.shape[0]
+        if out_index is not None and out_index.numel() != M:
+            raise ValueError(f"out_index must hold one output row per logical row of mat_a ({M}), got "
+                             f"{out_index.numel()}")
+        if out is not None:
+            check_out(out, (M, mat_b.shape[2]), mat_a.dtype, device, exact=out_index is None)
+    elif out is not None:
+        check_out(out, (offs.numel(), mat_a.shape[0], mat_b.shape[1]), mat_a.dtype, device, exact=True)
+    auto = backend == "auto"
     backend = resolve_backend(backend, mat_a, mat_b)
     if backend == "triton":
         from . import triton_grouped_gemm
@@ -141,6 +171,8 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *, 
         mat_a = mat_a.index_select(0, a_index) if mat_b.dim() == 3 else mat_a.index_select(1, a_index)
     if b_index is not None:
         mat_b = mat_b.index_select(0, b_index)
+    if backend == "torch" and auto and not torch_backend_ok(mat_a, mat_b):
+        backend = "loop"  # the gathered operands no longer qualify for F.grouped_mm
     if backend == "loop":
         res = grouped_mm_loop(mat_a, mat_b, offs)
     else:

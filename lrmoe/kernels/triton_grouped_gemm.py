@@ -223,26 +223,10 @@ def _tma_desc(t: torch.Tensor, dims: list[int]):
     unit stride), or None where TMA cannot address it (16-byte aligned base and strides needed)."""
     shape, strides = [t.shape[d] for d in dims], [t.stride(d) for d in dims]
     item = t.element_size()
-    if strides[-1] != 1 or t.data_ptr() % 16 or any(s * item % 16 for s in strides[:-1]) or shape[-1] * item < 16:
+    if (strides[-1] != 1 or t.data_ptr() % 16 or any(s * item % 16 for s in strides[:-1]) or shape[-1] * item < 16
+            or 0 in shape or 0 in strides[:-1]):  # empty or broadcast (stride-0) dimensions: pointer loads
         return None
     return TensorDescriptor(t, shape, strides, [1] * len(dims))  # block shape set per config (_set_tma_blocks)
-
-
-def _check_index(name: str, index: torch.Tensor | None, device: torch.device) -> None:
-    if index is None:
-        return
-    if index.dim() != 1 or index.dtype not in (torch.int32, torch.int64) or index.device != device:
-        raise ValueError(f"{name} must be a 1-D int32/int64 tensor on {device}, got {index.dtype} of shape "
-                         f"{tuple(index.shape)} on {index.device}")
-
-
-def _check_out(out: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torch.device, exact: bool) -> None:
-    ok = out.dtype == dtype and out.device == device and out.dim() == len(shape)
-    ok = ok and (tuple(out.shape) == shape if exact else tuple(out.shape[1:]) == shape[1:])
-    if not ok:
-        want = f"[{shape[0] if exact else '*'}, {', '.join(map(str, shape[1:]))}]"
-        raise ValueError(f"out must be a {dtype} tensor of shape {want} on {device}, got {out.dtype} of shape "
-                         f"{tuple(out.shape)} on {out.device}")
 
 
 def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *,
@@ -258,7 +242,7 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *,
     descriptors where the layout allows; None (default) = on Hopper or newer, falling back to
     pointer loads for good if compilation fails; True = wherever the layout allows (also under
     the interpreter, for tests), errors propagate; False = never."""
-    from .grouped_gemm import check_grouped_mm_args
+    from .grouped_gemm import check_grouped_mm_args, check_index as _check_index, check_out as _check_out
 
     G = check_grouped_mm_args(mat_a, mat_b, offs, a_index=a_index, b_index=b_index)
     dtype, device = mat_a.dtype, mat_a.device
@@ -271,6 +255,9 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *,
         _check_index(name, index, device)
     if accumulate and out is None:
         raise ValueError("accumulate=True needs out=")
+    # the kernels read offsets and indices at base + i: make strided views (e.g. idx[:, 0]) dense
+    offs = offs.contiguous()
+    a_index, b_index, out_index = (None if t is None else t.contiguous() for t in (a_index, b_index, out_index))
     flags = _kernel_flags(dtype)
     dummy = offs  # stands in for absent index pointers (never read)
 
@@ -279,6 +266,9 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *,
             raise ValueError("b_index applies to the contraction split (2D x 2D) only")
         M = a_index.numel() if a_index is not None else mat_a.shape[0]
         K, N = mat_b.shape[1], mat_b.shape[2]
+        if out_index is not None and out_index.numel() != M:
+            raise ValueError(f"out_index must hold one output row per logical row of mat_a ({M}), got "
+                             f"{out_index.numel()}")
         if out is None:
             out = torch.empty(M, N, dtype=dtype, device=device)
         _check_out(out, (M, N), dtype, device, exact=out_index is None)
