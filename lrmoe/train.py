@@ -497,13 +497,19 @@ def _environment(device: torch.device) -> dict:
     return env
 
 
-def hardware_label(env: dict) -> str:
-    """A short human description of the hardware of a run (for tables and figure captions)."""
+def hardware_label(env: dict, distributed: dict | None = None) -> str:
+    """A short human description of the hardware of a run (for tables and figure captions):
+    ``env`` is a summary's ``environment``, ``distributed`` its ``distributed`` entry (torchrun
+    runs: world size and EP group size)."""
+    world = int((distributed or {}).get("world_size") or 1)
+    ep = int((distributed or {}).get("ep") or 1)
+    par = f", EP{ep}" if ep > 1 else ""
     if str(env.get("device", "cpu")).startswith("cuda"):
-        return f"1x {env.get('gpu', 'GPU')}"
+        return f"{world}x {env.get('gpu', 'GPU')}{par}"
     cpu = env.get("cpu_model") or env.get("cpu") or "CPU"
     cores = f"{env['cpu_count']} cores, " if env.get("cpu_count") else ""
-    return f"CPU ({cpu}), {cores}{env.get('threads', '?')} thread(s) per run"
+    procs = f"{world} processes, " if world > 1 else ""
+    return f"CPU ({cpu}), {cores}{procs}{env.get('threads', '?')} thread(s) per {'process' if world > 1 else 'run'}{par}"
 
 
 def load_data(cfg: TrainConfig):

@@ -163,7 +163,8 @@ class Results:
     def hardware(self) -> str:
         from lrmoe.train import hardware_label
 
-        labels = sorted({hardware_label(r.summary.get("environment", {})) for r in self.runs.values() if r.done})
+        labels = sorted({hardware_label(r.summary.get("environment", {}), r.summary.get("distributed"))
+                         for r in self.runs.values() if r.done})
         return "; ".join(labels) if labels else "no finished runs"
 
     def scale(self) -> str:
@@ -177,15 +178,27 @@ class Results:
                 f"{_rows_per_step(base)} rows/step, {base.get('steps', '?')} steps")
 
     def find(self, family: str, drop: float, scorer: str | None, seed: int) -> Run | None:
+        """The run of ``family`` at drop ratio ``drop`` with ``scorer`` and ``seed``, in the tables'
+        setting (compact mode, waterfill quotas). With a manifest only the preset's runs count
+        (other runs written into the folder, e.g. an ablation with ``--quota proportional``, never
+        replace them); several matches raise a ValueError naming them."""
+        named = {r["name"] for r in (self.manifest or {}).get("runs", [])}
+        found = []
         for r in self.runs.values():
+            if named and r.name not in named:
+                continue
             if r.family != family or abs(r.drop - drop) > 1e-9 or r.seed != seed:
                 continue
             if drop > 0 and scorer is not None and r.config.get("scorer") != scorer:
                 continue
-            if drop > 0 and r.config.get("mode", "compact") == "full":
+            if drop > 0 and (r.config.get("mode", "compact") != "compact"
+                             or r.config.get("quota", "waterfill") != "waterfill"):
                 continue
-            return r
-        return None
+            found.append(r)
+        if len(found) > 1:
+            raise ValueError(f"{self.dir}: several runs match {family} {level_name(drop)} scorer={scorer} seed={seed}: "
+                             f"{[r.name for r in found]}; keep one (or give the folder a manifest.json)")
+        return found[0] if found else None
 
 
 def mean_std(xs: list[float]) -> tuple[float | None, float | None]:

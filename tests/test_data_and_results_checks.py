@@ -1,0 +1,237 @@
+"""Data and results checks from a review pass: packing makes every response label a target of
+the shifted loss (rows overlap by one token), Stanford Alpaca's prompt templates, the held-out
+split, T1/T2 recomputed from the committed run files of the cpu preset, the paper's numbers
+against paper.md, the tables using the preset's runs only, and caption hardware of torchrun runs.
+The checks of committed results skip (saying why) when the files are absent."""
+
+import json
+import math
+import os
+import re
+import shutil
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+from lrmoe import data
+from lrmoe.data import IGNORE_INDEX
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("LRMOE_SHARED_DATA", REPO.parent / "shared" / "data"))
+DEMO = SHARED / "alpaca" / "alpaca_en_demo.json"
+TINY = SHARED / "alpaca" / "alpaca_tiny.json"
+CPU_RESULTS = REPO / "results" / "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _isolated_caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("LRMOE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
+    monkeypatch.delenv("LRMOE_ALPACA", raising=False)
+
+
+def _need(*paths):
+    for p in paths:
+        if not Path(p).exists():
+            pytest.skip(f"{p} not found")
+
+
+# ------------------------------------------------------------------------------------ packing
+
+
+def _trained_targets(packed):
+    """Label positions that reach the loss under the training loop's convention
+    (lrmoe/train.py::_token_loss: logits[:, :-1] vs labels[:, 1:], i.e. label at row position 0 is
+    never used)."""
+    return int((packed["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+def test_packing_trains_every_response_label():
+    """docs: 'loss on the response and EOS only' -> every response token and the EOS of every
+    document is a training target. Packing cuts documents across rows; the continuation's first
+    token sits at row position 0, whose label the (HF-convention) shift discards, so that response
+    token is never trained."""
+    # 3 documents of 2 prompt + 6 response tokens; seq_len 5 puts row boundaries inside responses.
+    examples = []
+    for d in range(3):
+        ids = [100 * (d + 1) + i for i in range(8)]
+        examples.append((ids, [IGNORE_INDEX] * 2 + ids[2:]))
+    p = data.pack_examples(examples, seq_len=5, seed=0)
+    want = sum(sum(y != IGNORE_INDEX for y in lab) for _, lab in examples)  # 18 response+EOS tokens
+    assert int((p["labels"] != IGNORE_INDEX).sum()) == want  # labels are all there ...
+    assert _trained_targets(p) == want, (  # ... but some can never reach the loss
+        f"{want - _trained_targets(p)} of {want} response labels sit at row position 0 and are never trained")
+
+
+def test_cpu_preset_split_trains_every_response_label(shared_demo):
+    """The same on the cpu preset's real data (first 16 records of alpaca_en_demo, 14 train /
+    2 held-out, bpe:1024, seq 256, data_seed 0): count response labels dropped at row starts."""
+    train, held, stats = data.build_alpaca_splits(DEMO, "bpe:1024", 256, 0.125, 0, 16)
+    lost_train = stats["train"]["response_tokens"] - _trained_targets(train.tensors)
+    lost_held = stats["heldout"]["response_tokens"] - _trained_targets(held.tensors)
+    # also: how many rows start in the middle of a document (position id != 0)
+    mid = int((train.tensors["position_ids"][:, 0] != 0).sum())
+    assert (lost_train, lost_held) == (0, 0), (
+        f"train: {lost_train} of {stats['train']['response_tokens']} response labels never trained "
+        f"({mid} of {len(train)} rows start mid-document); held-out: {lost_held} of "
+        f"{stats['heldout']['response_tokens']} never evaluated")
+
+
+@pytest.fixture
+def shared_demo():
+    _need(DEMO)
+    return DEMO
+
+
+# ------------------------------------------------------------------------------- prompt/labels
+
+
+def test_prompt_templates_are_stanford_alpaca():
+    """Passed: the two templates equal Stanford Alpaca's train.py PROMPT_DICT verbatim."""
+    stanford_input = (
+        "Below is an instruction that describes a task, paired with an input that provides further context. "
+        "Write a response that appropriately completes the request.\n\n"
+        "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:"
+    )
+    stanford_no_input = (
+        "Below is an instruction that describes a task. "
+        "Write a response that appropriately completes the request.\n\n"
+        "### Instruction:\n{instruction}\n\n### Response:"
+    )
+    assert data.PROMPT_WITH_INPUT == stanford_input and data.PROMPT_NO_INPUT == stanford_no_input
+    r = {"instruction": "I", "input": "X", "output": "O"}
+    assert data.format_prompt(r) == (stanford_input.format(instruction="I", input="X"), "O")
+    r = {"instruction": "I", "input": "", "output": "O"}
+    assert data.format_prompt(r) == (stanford_no_input.format(instruction="I"), "O")
+
+
+def test_split_is_disjoint_and_covers_records():
+    """Passed: the held-out split is disjoint by position, covers all records, keeps order, and
+    is independent of everything but (n, fraction, seed)."""
+    recs = [{"instruction": str(i), "input": "", "output": "o"} for i in range(50)]
+    tr, he = data.split_records(recs, 0.2, 7)
+    assert len(he) == 10 and len(tr) == 40
+    ti, hi = [int(r["instruction"]) for r in tr], [int(r["instruction"]) for r in he]
+    assert sorted(ti + hi) == list(range(50)) and ti == sorted(ti) and hi == sorted(hi)
+    assert not set(ti) & set(hi)
+
+
+# ------------------------------------------------------------------------- tables (real runs)
+
+
+def _window_ppl(run_dir: Path) -> float:
+    s = json.loads((run_dir / "summary.json").read_text())
+    steps = s["config"]["steps"]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    n = math.ceil(0.1 * steps)
+    tail = [r["ppl"] for r in rows if r["step"] > steps - n]
+    assert len(tail) == n
+    return sum(tail) / len(tail)
+
+
+def test_t1_t2_arithmetic_recomputed_from_run_files():
+    """Passed: T1 and T2 (md) numbers recomputed independently from metrics.jsonl."""
+    _need(CPU_RESULTS / "tables" / "T1_convergence.md")
+    t1 = (CPU_RESULTS / "tables" / "T1_convergence.md").read_text()
+    t2 = (CPU_RESULTS / "tables" / "T2_scorer_ablation.md").read_text()
+    for fam, label in (("qwen3", "Qwen3-MoE"), ("glm4", "GLM-4.5-MoE")):
+        c0 = {s: _window_ppl(CPU_RESULTS / f"{fam}-C00-s{s}") for s in range(3)}
+        for lvl, name in (("C0", f"{fam}-C00-s0"), ("C10", f"{fam}-C10-lrm-s0"), ("C20", f"{fam}-C20-lrm-s0"),
+                          ("C30", f"{fam}-C30-lrm-s0")):
+            v = _window_ppl(CPU_RESULTS / name)
+            d = v - c0[0]
+            row = f"| {label} ({fam}-moe-small) | {lvl} | {v:.6f} | {d:+.6f} | {100 * d / c0[0]:+.3f} |"
+            assert row in t1, row
+        for sc in ("lrm", "grad_norm", "abs_grad", "random"):
+            ds = [_window_ppl(CPU_RESULTS / f"{fam}-C20-{sc}-s{s}") - c0[s] for s in range(3)]
+            cell = f"{statistics.mean(ds):+.6f} ± {statistics.stdev(ds):.6f} (n=3)"
+            assert cell in t2, (fam, sc, cell)
+
+
+def test_paper_numbers_match_paper_md():
+    """Passed: every number in paper_numbers.json T1/T2 is in shared/paper.md's results tables."""
+    paper_md = (REPO.parent / "shared" / "paper.md")
+    _need(paper_md)
+    text = paper_md.read_text()
+    pn = json.loads((REPO / "paper_figures" / "paper_numbers.json").read_text())
+    conv = re.search(r"\| C0 \| C10 \| C20 \| C30 \|\n\|[-|]+\|\n\| (.*) \|", text).group(1)
+    vals = [float(x.split()[0]) for x in conv.split(" | ")]
+    assert [pn["T1"]["values"][k] for k in ("C0", "C10", "C20", "C30")] == vals
+    abl = re.search(r"\| LRM \| squared.*\n\|[-|]+\|\n\| (.*) \|", text).group(1)
+    pairs = [tuple(float(v) for v in cell.split(" / ")) for cell in abl.split(" | ")]
+    for (q, g), sc in zip(pairs, ("lrm", "grad_norm", "abs_grad", "random")):
+        assert pn["T2"]["values"]["qwen3"][sc] == q and pn["T2"]["values"]["glm4"][sc] == g
+
+
+# ------------------------------------------------------------------- tables (synthetic folders)
+
+
+def _copy_run(src: Path, dst: Path):
+    dst.mkdir(parents=True)
+    shutil.copy(src / "summary.json", dst / "summary.json")
+    shutil.copy(src / "metrics.jsonl", dst / "metrics.jsonl")
+
+
+def test_tables_use_the_preset_runs_not_other_runs_in_the_folder(tmp_path):
+    """T1/F1/F2 are documented as 'LRM scorer, waterfill quotas' on the preset's runs, but
+    Results.find matches only (family, drop, scorer, seed): a documented option run
+    (--quota proportional, e.g. an ablation written into the same results folder) whose name sorts
+    first silently replaces the preset's qwen3-C20-lrm-s0 in T1, F1 and F2."""
+    _need(CPU_RESULTS / "manifest.json")
+    from paper_figures import Results
+    from paper_figures.figures import f1_source
+    from paper_figures.tables import t1_data
+
+    res_dir = tmp_path / "cpu"
+    res_dir.mkdir()
+    shutil.copy(CPU_RESULTS / "manifest.json", res_dir / "manifest.json")
+    for name in ("qwen3-C00-s0", "qwen3-C10-lrm-s0", "qwen3-C20-lrm-s0", "qwen3-C30-lrm-s0"):
+        _copy_run(CPU_RESULTS / name, res_dir / name)
+    want = Results.load(res_dir)
+    want_c20 = next(r for r in t1_data(want) if r["family"] == "qwen3" and r["level"] == "C20")["ppl"]
+
+    extra = res_dir / "qwen3-C20-lrm-proportional-s0"  # not in the manifest; sorts before "...-lrm-s0"
+    _copy_run(CPU_RESULTS / "qwen3-C20-lrm-s0", extra)
+    s = json.loads((extra / "summary.json").read_text())
+    s["config"]["quota"] = "proportional"
+    (extra / "summary.json").write_text(json.dumps(s))
+    rows = [json.loads(line) for line in (extra / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        r["ppl"] += 1.0
+    (extra / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    res = Results.load(res_dir)
+    got_c20 = next(r for r in t1_data(res) if r["family"] == "qwen3" and r["level"] == "C20")["ppl"]
+    f1_run = f1_source(res)[0]
+    assert (got_c20, f1_run.name) == (pytest.approx(want_c20), "qwen3-C20-lrm-s0"), (
+        f"T1 C20 PPL {got_c20:.6f} (preset run: {want_c20:.6f}); F1 plots {f1_run.name} "
+        f"(quota={f1_run.config['quota']})")
+
+
+def _fake_run(d: Path, family: str, drop: float, scorer: str, seed: int, env: dict, extra: dict | None = None):
+    d.mkdir(parents=True)
+    cfg = {"model": "qwen3-30b-a3b", "drop_ratio": drop, "scorer": scorer, "seed": seed, "steps": 10,
+           "quota": "waterfill", "mode": "compact", "micro_batch": 32, "grad_accum": 1, "global_batch": 32,
+           "seq_len": 8192}
+    summary = {"config": cfg, "status": "done", "environment": env,
+               "model": {"family": family}, "data": {"train_records": 51482}, **(extra or {})}
+    (d / "summary.json").write_text(json.dumps(summary))
+    (d / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "ppl": 1.5, "loss": 0.4}) + "\n"
+                                             for i in range(1, 11)))
+
+
+def test_caption_hardware_counts_the_gpus_of_a_torchrun_run(tmp_path):
+    """Every table/figure caption states the hardware via Results.hardware() ->
+    lrmoe.train.hardware_label, which prints '1x <gpu>' for any CUDA run. A `paper` preset run
+    (torchrun, 8 GPUs, EP8: summary 'distributed.world_size' = 8, environment gpu_count = 8) is
+    captioned as measured on ONE GPU."""
+    from paper_figures import Results
+
+    env = {"device": "cuda:0", "gpu": "NVIDIA H100 80GB HBM3", "gpu_count": 8, "threads": 1}
+    _fake_run(tmp_path / "qwen3-C00-s0", "qwen3_moe", 0.0, "lrm", 0, env,
+              {"distributed": {"world_size": 8, "ep": 8, "dp": 1}})
+    hw = Results.load(tmp_path).hardware()
+    assert not hw.startswith("1x") and "8" in hw.split("NVIDIA")[0], hw
