@@ -53,8 +53,7 @@ class BackwardPolicy:
     def validate(self) -> "BackwardPolicy":
         """Check every field (also called on each use, so a policy mutated after creation is re-checked)."""
         self.drop_ratio = check_drop_ratio(self.drop_ratio)
-        get_scorer(self.scorer)
-        get_quota_policy(self.quota)
+        scorer_fn, quota_fn = get_scorer(self.scorer), get_quota_policy(self.quota)
         if self.mode not in MODES:
             raise ValueError(f"unknown backward mode {self.mode!r}; accepted: {list(MODES)}")
         if self.backend not in BACKENDS:
@@ -64,9 +63,8 @@ class BackwardPolicy:
         for name in ("scorer_kwargs", "quota_kwargs"):
             if not isinstance(getattr(self, name), dict):
                 raise ValueError(f"{name} must be a dict of keyword arguments, got {getattr(self, name)!r}")
-        _check_kwargs("scorer", self.scorer, get_scorer(self.scorer), self.scorer_kwargs, skip=1)
-        _check_kwargs("quota policy", self.quota, get_quota_policy(self.quota), self.quota_kwargs, skip=2,
-                      reserved=("drop_ratio",))
+        _check_kwargs("scorer", self.scorer, scorer_fn, self.scorer_kwargs, skip=1)
+        _check_kwargs("quota policy", self.quota, quota_fn, self.quota_kwargs, skip=2, reserved=("drop_ratio",))
         if self.fuse_gather not in (None, True, False):
             raise ValueError(f"fuse_gather must be None, True or False, got {self.fuse_gather!r}")
         return self
@@ -96,8 +94,14 @@ class BackwardPolicy:
         return self._generators[key]
 
 
+_KWARGS_OK: set = set()  # (function identity, options) pairs already checked: validate() runs on every use
+
+
 def _check_kwargs(kind: str, name: str, fn, kwargs: dict, skip: int, reserved: tuple = ()) -> None:
     """ValueError unless ``kwargs`` bind to ``fn`` after its first ``skip`` positional arguments."""
+    key = (id(fn), skip, tuple(sorted(kwargs)))
+    if key in _KWARGS_OK:
+        return
     bad = sorted(k for k in kwargs if k in reserved)
     if bad:
         raise ValueError(f"{kind} {name!r}: {bad} are set by the layer and cannot be given as options")
@@ -111,6 +115,7 @@ def _check_kwargs(kind: str, name: str, fn, kwargs: dict, skip: int, reserved: t
         params = [p for p in list(sig.parameters)[skip:] if p not in reserved]
         raise ValueError(f"{kind} {name!r} does not accept the options {sorted(kwargs)} ({e}); "
                          f"its options: {params}") from None
+    _KWARGS_OK.add(key)
 
 
 class BackwardRecord:

@@ -809,7 +809,7 @@ def _train(cfg: TrainConfig, out: Path, runner, progress: bool, stop_after: int 
         mods = hf.experts_modules(model)  # counted before the experts are sharded
         # the family of what was built or loaded (an init_from checkpoint may not be the preset's)
         built["family"] = getattr(model.config, "model_type", None) or hf.MODEL_PRESETS[cfg.model].family
-        built.update(parameters=sum(p.numel() for p in model.parameters()), moe_layers=len(mods),
+        built.update(parameters=sum(p.numel() for p in model.parameters()),
                      experts=int(mods[0].gate_up_proj.shape[0]) if mods else 0)
         return model
 

@@ -78,6 +78,23 @@ def check_out(out: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torch
                          f"{tuple(out.shape)} on {out.device}")
 
 
+def check_fused_args(mat_a, mat_b, offs, a_index, b_index, out_index, out) -> None:
+    """ValueError for indices that are not 1-D int32/int64 on the operands' device, an ``out_index``
+    of the wrong length, or an ``out`` of the wrong shape, dtype or device (every backend)."""
+    device = mat_a.device
+    for name, index in (("a_index", a_index), ("b_index", b_index), ("out_index", out_index)):
+        check_index(name, index, device)
+    if mat_b.dim() == 3:
+        M = a_index.numel() if a_index is not None else mat_a.shape[0]
+        if out_index is not None and out_index.numel() != M:
+            raise ValueError(f"out_index must hold one output row per logical row of mat_a ({M}), got "
+                             f"{out_index.numel()}")
+        if out is not None:
+            check_out(out, (M, mat_b.shape[2]), mat_a.dtype, device, exact=out_index is None)
+    elif out is not None:
+        check_out(out, (offs.numel(), mat_a.shape[0], mat_b.shape[1]), mat_a.dtype, device, exact=True)
+
+
 def grouped_mm_loop(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Reference: one ``torch.mm`` per group (one host sync to read the offsets)."""
     ends = offs.tolist()
@@ -147,25 +164,14 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *, 
         raise ValueError("out_index applies to the row split (2D x 3D) only")
     if accumulate and out is None:
         raise ValueError("accumulate=True needs out=")
-    device = mat_a.device
-    for name, index in (("a_index", a_index), ("b_index", b_index), ("out_index", out_index)):
-        check_index(name, index, device)
-    if mat_b.dim() == 3:
-        M = a_index.numel() if a_index is not None else mat_a.shape[0]
-        if out_index is not None and out_index.numel() != M:
-            raise ValueError(f"out_index must hold one output row per logical row of mat_a ({M}), got "
-                             f"{out_index.numel()}")
-        if out is not None:
-            check_out(out, (M, mat_b.shape[2]), mat_a.dtype, device, exact=out_index is None)
-    elif out is not None:
-        check_out(out, (offs.numel(), mat_a.shape[0], mat_b.shape[1]), mat_a.dtype, device, exact=True)
     auto = backend == "auto"
     backend = resolve_backend(backend, mat_a, mat_b)
-    if backend == "triton":
+    if backend == "triton":  # validates its own indices and out
         from . import triton_grouped_gemm
 
         return triton_grouped_gemm.grouped_mm(mat_a, mat_b, offs, a_index=a_index, b_index=b_index,
                                               out_index=out_index, out=out, accumulate=accumulate)
+    check_fused_args(mat_a, mat_b, offs, a_index, b_index, out_index, out)
     # Reference path for the fused indices: explicit gather into contiguous buffers.
     if a_index is not None:
         mat_a = mat_a.index_select(0, a_index) if mat_b.dim() == 3 else mat_a.index_select(1, a_index)

@@ -242,7 +242,7 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *,
     descriptors where the layout allows; None (default) = on Hopper or newer, falling back to
     pointer loads for good if compilation fails; True = wherever the layout allows (also under
     the interpreter, for tests), errors propagate; False = never."""
-    from .grouped_gemm import check_grouped_mm_args, check_index as _check_index, check_out as _check_out
+    from .grouped_gemm import check_fused_args, check_grouped_mm_args
 
     G = check_grouped_mm_args(mat_a, mat_b, offs, a_index=a_index, b_index=b_index)
     dtype, device = mat_a.dtype, mat_a.device
@@ -251,10 +251,13 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *,
     if not supported(device) or mat_b.device != device or offs.device != device:
         raise ValueError(f"the triton grouped_mm runs on CUDA (or CPU under TRITON_INTERPRET=1 set before import); "
                          f"got mat_a on {device}, mat_b on {mat_b.device}, offs on {offs.device}")
-    for name, index in (("a_index", a_index), ("b_index", b_index), ("out_index", out_index)):
-        _check_index(name, index, device)
     if accumulate and out is None:
         raise ValueError("accumulate=True needs out=")
+    if b_index is not None and mat_b.dim() == 3:
+        raise ValueError("b_index applies to the contraction split (2D x 2D) only")
+    if out_index is not None and mat_b.dim() == 2:
+        raise ValueError("out_index applies to the row split (2D x 3D) only")
+    check_fused_args(mat_a, mat_b, offs, a_index, b_index, out_index, out)
     # the kernels read offsets and indices at base + i: make strided views (e.g. idx[:, 0]) dense
     offs = offs.contiguous()
     a_index, b_index, out_index = (None if t is None else t.contiguous() for t in (a_index, b_index, out_index))
@@ -262,16 +265,10 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *,
     dummy = offs  # stands in for absent index pointers (never read)
 
     if mat_b.dim() == 3:
-        if b_index is not None:
-            raise ValueError("b_index applies to the contraction split (2D x 2D) only")
         M = a_index.numel() if a_index is not None else mat_a.shape[0]
         K, N = mat_b.shape[1], mat_b.shape[2]
-        if out_index is not None and out_index.numel() != M:
-            raise ValueError(f"out_index must hold one output row per logical row of mat_a ({M}), got "
-                             f"{out_index.numel()}")
         if out is None:
             out = torch.empty(M, N, dtype=dtype, device=device)
-        _check_out(out, (M, N), dtype, device, exact=out_index is None)
         if M == 0 or N == 0 or G == 0:
             return out
         nprog = _num_programs(device)
@@ -301,13 +298,10 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *,
             launch(bool(tma))
         return out
 
-    if out_index is not None:
-        raise ValueError("out_index applies to the row split (2D x 3D) only")
     P, N = mat_a.shape[0], mat_b.shape[1]
     M = a_index.numel() if a_index is not None else mat_a.shape[1]
     if out is None:
         out = torch.empty(G, P, N, dtype=dtype, device=device)
-    _check_out(out, (G, P, N), dtype, device, exact=True)
     if out.numel() == 0:
         return out
     grid = lambda meta: (G * triton.cdiv(P, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)

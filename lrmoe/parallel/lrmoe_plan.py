@@ -137,41 +137,33 @@ def _instance_quotas(q_E, rows_E, ranks_E, G: int, backward_weight: float, tau: 
     from scipy.sparse.csgraph import maximum_flow
 
     E = len(rows_E)
-    exact = [largest_remainder(int(q_E[e]), rows_E[e]) if sum(rows_E[e]) > 0 else np.zeros(len(rows_E[e]), np.int64)
-             for e in range(E)]
-    floors, fractional = [], []
-    F_G = np.zeros(G)
-    for e in range(E):
-        rows = np.asarray(rows_E[e], dtype=np.int64)
-        d = int(rows.sum())
-        num = rows * int(q_E[e])
-        floors.append(num // d if d > 0 else np.zeros_like(rows))
-        fractional.append(num % d != 0 if d > 0 else np.zeros(len(rows), dtype=bool))
-        np.add.at(F_G, np.asarray(ranks_E[e], dtype=np.int64), rows)
-    units_E = np.array([int(q_E[e]) - int(floors[e].sum()) for e in range(E)])
-    if backward_weight <= 0 or units_E.sum() == 0:
-        return exact
+    ranks_E = [np.asarray(r, dtype=np.int64) for r in ranks_E]
 
-    def executed_max(parts):
-        K_G = np.zeros(G)
+    def per_rank(values_E) -> np.ndarray:  # sum of per-instance values on every rank
+        out = np.zeros(G)
         for e in range(E):
-            np.add.at(K_G, np.asarray(ranks_E[e], dtype=np.int64), parts[e])
-        return float((F_G + backward_weight * K_G).max(initial=0.0))
+            np.add.at(out, ranks_E[e], values_E[e])
+        return out
 
-    if executed_max(exact) <= tau + _EPS:
+    rows_E = [np.asarray(r, dtype=np.int64) for r in rows_E]
+    d_E = [int(r.sum()) for r in rows_E]
+    floors = [r * int(q_E[e]) // d_E[e] if d_E[e] else np.zeros_like(r) for e, r in enumerate(rows_E)]
+    fractional = [r * int(q_E[e]) % d_E[e] != 0 if d_E[e] else np.zeros(len(r), dtype=bool)
+                  for e, r in enumerate(rows_E)]
+    exact = [largest_remainder(int(q_E[e]), rows_E[e]) if d_E[e] else floors[e] for e in range(E)]
+    units_E = np.array([int(q_E[e]) - int(floors[e].sum()) for e in range(E)])
+    F_G = per_rank(rows_E)
+    if backward_weight <= 0 or units_E.sum() == 0 or (F_G + backward_weight * per_rank(exact)).max(initial=0.0) \
+            <= tau + _EPS:
         return exact
-    base_G = F_G.copy()
-    for e in range(E):
-        np.add.at(base_G, np.asarray(ranks_E[e], dtype=np.int64), backward_weight * floors[e])
+    base_G = F_G + backward_weight * per_rank(floors)
+    cand_G = per_rank(fractional).astype(np.int64)  # instances on each rank that may take one more unit
     experts = [e for e in range(E) if units_E[e] > 0]
     # nodes: 0 source, 1..len(experts) experts, then G ranks, then the sink
     src, sink = 0, len(experts) + G + 1
     edges = [(src, 1 + i, int(units_E[e])) for i, e in enumerate(experts)]
     edges += [(1 + i, 1 + len(experts) + int(r), 1) for i, e in enumerate(experts)
               for r, frac in zip(ranks_E[e], fractional[e]) if frac]
-    cand_G = np.zeros(G, dtype=np.int64)
-    for _, v, _c in edges[len(experts):]:
-        cand_G[v - 1 - len(experts)] += 1
 
     def flow_at(target):
         caps = np.minimum(np.floor((target - base_G) / backward_weight + _EPS), cand_G).clip(0).astype(np.int64)
