@@ -127,6 +127,10 @@ def _row_split_kernel(a_ptr, b_ptr, out_ptr, offs_ptr, a_idx_ptr, out_idx_ptr, a
         row0_i32 = row0.to(tl.int32)  # TMA coordinates are int32
         n0 = (nt * BLOCK_N).to(tl.int32)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # per-step pointer advances in int64 (BLOCK_K * stride is int32 when a stride is specialised
+        # as int32: a column-major A with >= 2**25 rows would wrap)
+        a_step = tl.full((), BLOCK_K, tl.int64) * s_ak
+        b_step = tl.full((), BLOCK_K, tl.int64) * s_bk
         for k0 in range(0, K, BLOCK_K):
             k_ok = ks < K - k0
             if A_TMA:  # rows of the next group are read too, but their outputs are never stored
@@ -141,8 +145,8 @@ def _row_split_kernel(a_ptr, b_ptr, out_ptr, offs_ptr, a_idx_ptr, out_idx_ptr, a
             else:
                 b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             acc = _mma(a, b, acc, CAST_FP32, INPUT_PRECISION)
-            a_ptrs += BLOCK_K * s_ak
-            b_ptrs += BLOCK_K * s_bk
+            a_ptrs += a_step
+            b_ptrs += b_step
 
         o_rows = tl.load(out_idx_ptr + rows, mask=row_ok, other=0).to(tl.int64) if HAS_OUT_IDX else rows
         o_ptrs = out_ptr + o_rows[:, None] * s_om + cols[None, :] * s_on

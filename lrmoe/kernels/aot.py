@@ -1,0 +1,189 @@
+"""Ahead-of-time compilation of the Triton grouped-GEMM kernels for a GPU target, without a GPU.
+
+Triton compiles for a target named by architecture (``GPUTarget("cuda", 90, 32)`` is Hopper) all
+the way to PTX and a cubin, with the ``ptxas`` bundled in its wheel; no GPU or driver is needed.
+This module compiles exactly what the kit would launch:
+
+1. :func:`capture` runs a function that calls :func:`lrmoe.kernels.triton_grouped_gemm.grouped_mm`
+   (directly or through the layer) on CPU tensors, with the two kernels replaced by recorders:
+   every launch's arguments are kept, the kernel is not run (the outputs are zero-filled so that
+   code after the GEMMs sees finite values). ``tma=True`` makes the wrapper build its TMA
+   descriptors as it does on Hopper.
+2. :func:`compile_launch` compiles one recorded launch for one autotune config through Triton's
+   own binder, as ``JITFunction.run`` does before a real launch: the same specialisation of every
+   argument (dtype pointers, int32/int64, value-1 and divisible-by-16 specialisation, the TMA
+   descriptors' block shapes as set by the autotune pre-hook) and the same compile options.
+
+The kernel module must have been imported with the interpreter off (``TRITON_INTERPRET`` unset):
+under the interpreter the kernels are defined with the interpreter's single small config.
+Used by ``scripts/check_triton_compile.py`` and ``tests/test_triton_compile.py``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable
+
+import torch
+
+# Largest shared memory one block may use (opt-in), in bytes, per compute capability major.
+SHARED_LIMIT = {8: 166912, 9: 232448, 10: 232448, 12: 101376}
+KERNELS = ("_row_split_kernel", "_contraction_split_kernel")
+
+
+@dataclasses.dataclass
+class Launch:
+    """One recorded kernel launch: which kernel and the arguments the wrapper passed."""
+
+    kernel: str
+    args: tuple
+    kwargs: dict
+
+
+@dataclasses.dataclass
+class Compiled:
+    """The outcome of compiling one launch with one autotune config."""
+
+    kernel: str
+    variant: str  # the specialised signature, short form
+    config: str
+    shared: int | None  # bytes of shared memory the kernel needs
+    fits: bool | None  # within the target's shared-memory limit (None: compile failed)
+    cubin_bytes: int | None
+    seconds: float
+    error: str | None = None
+
+
+def _module():
+    from . import triton_grouped_gemm as tgg
+
+    if tgg.INTERPRET:
+        raise RuntimeError("lrmoe.kernels.triton_grouped_gemm was imported with TRITON_INTERPRET=1; the AOT check "
+                           "needs the real kernels: run it in a process with TRITON_INTERPRET unset")
+    return tgg
+
+
+class _Recorder:
+    """Stands in for an autotuned kernel: ``kernel[grid](*args, **kwargs)`` records the launch."""
+
+    def __init__(self, name: str, sink: list[Launch]):
+        self.name, self.sink = name, sink
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.sink.append(Launch(self.name, args, dict(kwargs)))
+            out = args[2]  # out_ptr in both kernels: give later code finite values
+            if not kwargs.get("ACCUMULATE", False):
+                out.zero_()
+
+        return launch
+
+
+@contextlib.contextmanager
+def capture(tma: bool):
+    """Within the block, Triton grouped GEMMs on CPU tensors are recorded, not run.
+
+    ``tma``: build the TMA descriptors where the layout allows (as on Hopper with ``tma=None``),
+    or use pointer loads only (the fallback, and pre-Hopper GPUs). Yields the list of launches."""
+    tgg = _module()
+    launches: list[Launch] = []
+    saved = {name: getattr(tgg, name) for name in (*KERNELS, "supported", "_tma_auto")}
+    try:
+        for name in KERNELS:
+            setattr(tgg, name, _Recorder(name, launches))
+        tgg.supported = lambda device: True
+        tgg._tma_auto = lambda device: tma
+        yield launches
+    finally:
+        for name, value in saved.items():
+            setattr(tgg, name, value)
+
+
+def configs(kernel: str) -> list:
+    """The autotune configs of ``kernel`` (``triton.Config`` objects)."""
+    return list(getattr(_module(), kernel).configs)
+
+
+def config_name(cfg) -> str:
+    kw = cfg.kwargs
+    return f"{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']} w{cfg.num_warps} s{cfg.num_stages}"
+
+
+def _bind(launch: Launch, cfg, backend):
+    """Triton's binder on the recorded arguments with ``cfg`` applied (its pre-hook included):
+    (options, signature, constexprs, attrs) exactly as a real launch would compile them."""
+    from triton import knobs
+    from triton.runtime.jit import create_function_from_signature
+
+    tgg = _module()
+    autotuner = getattr(tgg, launch.kernel)
+    jit_fn = autotuner.fn
+    kwargs = {**launch.kwargs, **cfg.all_kwargs()}
+    if cfg.pre_hook is not None:
+        cfg.pre_hook({**dict(zip(jit_fn.arg_names, launch.args)), **kwargs})
+    # what JITFunction.run adds before binding
+    kwargs["debug"] = kwargs.get("debug", jit_fn.debug) or knobs.runtime.debug
+    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    binder = create_function_from_signature(jit_fn.signature, jit_fn.params, backend)
+    bound_args, specialization, options = binder(*launch.args, **kwargs)
+    return jit_fn, jit_fn._pack_args(backend, kwargs, bound_args, specialization, options)
+
+
+def variant_key(launch: Launch, cfg, capability: int = 90) -> tuple[str, str]:
+    """(short signature, full key) of ``launch`` under ``cfg``: launches with equal keys compile to
+    the same kernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    backend = make_backend(GPUTarget("cuda", capability, 32))
+    _, (options, signature, constexprs, attrs) = _bind(launch, cfg, backend)
+    short = ", ".join(f"{k}={v}" for k, v in signature.items()
+                      if v != "constexpr" and (v.startswith("*") or v.startswith("tensordesc")))
+    flags = ", ".join(f"{k}={launch.kwargs[k]}" for k in sorted(launch.kwargs) if k.isupper() and k != "G_POW2")
+    full = repr((launch.kernel, sorted(signature.items()), sorted((str(k), repr(v)) for k, v in constexprs.items()),
+                 sorted((str(k), repr(v)) for k, v in attrs.items()), repr(options)))
+    return f"{short}; {flags}", full
+
+
+def compile_launch(launch: Launch, cfg, capability: int = 90) -> Compiled:
+    """Compile ``launch`` with autotune config ``cfg`` for ``sm_<capability>`` down to a cubin."""
+    import time
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+
+    target = GPUTarget("cuda", capability, 32)
+    backend = make_backend(target)
+    short, _ = variant_key(launch, cfg, capability)
+    t0 = time.perf_counter()
+    try:
+        jit_fn, (options, signature, constexprs, attrs) = _bind(launch, cfg, backend)
+        kernel = triton.compile(ASTSource(jit_fn, signature, constexprs, attrs), target=target,
+                                options=options.__dict__)
+    except Exception as e:  # noqa: BLE001 - reported per variant
+        return Compiled(launch.kernel, short, config_name(cfg), None, None, None, time.perf_counter() - t0,
+                        f"{type(e).__name__}: {str(e)[-2000:]}")
+    shared = int(kernel.metadata.shared)
+    limit = SHARED_LIMIT.get(capability // 10)
+    return Compiled(launch.kernel, short, config_name(cfg), shared, None if limit is None else shared <= limit,
+                    len(kernel.asm["cubin"]), time.perf_counter() - t0)
+
+
+def unique_launches(launches: list[Launch], capability: int = 90) -> list[Launch]:
+    """``launches`` with repeats of the same specialisation removed (keyed under the first config)."""
+    seen, out = set(), []
+    for launch in launches:
+        key = variant_key(launch, configs(launch.kernel)[0], capability)[1]
+        if key not in seen:
+            seen.add(key)
+            out.append(launch)
+    return out
+
+
+def run_captured(fn: Callable[[], object], tma: bool) -> list[Launch]:
+    """Run ``fn`` under :func:`capture` and return its launches."""
+    with capture(tma) as launches:
+        fn()
+    return list(launches)

@@ -1,0 +1,162 @@
+"""Compile every Triton grouped-GEMM kernel the kit launches for a GPU architecture, on any machine.
+
+No GPU needed: Triton compiles for a named target (default sm_90, Hopper) down to a cubin with the
+ptxas bundled in its wheel. The launches come from the real code (``lrmoe.kernels.aot``): the
+experts' forward and backward in every mode that reaches a different kernel specialisation
+(full / compact, fused gather on / off, bf16 / fp16 / fp32 with IEEE or TF32 products), at
+Qwen3-30B-A3B-like dimensions scaled down, plus the ``accumulate`` and odd-stride calls of the
+public op; each with TMA descriptors (Hopper) and with pointer loads (the fallback). Each distinct
+specialisation is compiled for every autotune config (``--quick``: every config for the first
+specialisation of each kernel, then only the config using the least shared memory). The table lists shared memory per
+config and whether it fits the target (configs that do not fit are pruned by the autotuner at
+run time; a specialisation with no config that fits cannot run and is an error).
+
+    python scripts/check_triton_compile.py                 # sm_90, every config, JSON to results/bench/
+    python scripts/check_triton_compile.py --quick --arch 90 100
+Exit status 1 when a kernel fails to compile or no config of a specialisation fits.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":  # the real kernels, not the interpreter's
+    os.environ["TRITON_INTERPRET"] = "0"
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, without its warning
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from lrmoe.bench.common import environment, markdown_table, write_json  # noqa: E402
+from lrmoe.kernels import aot  # noqa: E402
+from lrmoe.kernels import triton_grouped_gemm as tgg  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def layer_workload(dtype: torch.dtype, *, fuse: bool, mode: str, drop_ratio: float, seed: int = 0):
+    """Forward and backward of the experts (the layer's functional core) with the Triton backend."""
+    from lrmoe import BackwardPolicy
+    from lrmoe.experts import lrmoe_experts
+
+    def run():
+        g = torch.Generator().manual_seed(seed)
+        T, H, I, E, K = 61, 256, 96, 8, 4  # odd T; H, I multiples of 16 as in Qwen3 (TMA-eligible)
+        x = torch.randn(T, H, generator=g).to(dtype).requires_grad_()
+        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+        w = torch.rand(T, K, generator=g).to(dtype).requires_grad_()
+        w_gu = (torch.randn(E, 2 * I, H, generator=g) * 0.05).to(dtype).requires_grad_()
+        w_d = (torch.randn(E, H, I, generator=g) * 0.05).to(dtype).requires_grad_()
+        policy = BackwardPolicy(drop_ratio=drop_ratio, mode=mode, backend="triton", fuse_gather=fuse)
+        y = lrmoe_experts(x, idx, w, w_gu, w_d, policy)
+        y.backward(torch.randn(T, H, generator=g).to(dtype))
+
+    return run
+
+
+def op_workload(dtype: torch.dtype):
+    """The public op's other paths: accumulate into out, a strided (column-major) A, empty groups."""
+
+    def run():
+        g = torch.Generator().manual_seed(1)
+        r = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+        offs = torch.tensor([0, 40, 40, 77], dtype=torch.int32)
+        a, b = r(77, 64), r(4, 64, 48)
+        tgg.grouped_mm(a, b, offs, out=r(77, 48), accumulate=True)
+        tgg.grouped_mm(r(64, 77).t(), b, offs)  # column-major A
+        tgg.grouped_mm(a.t(), r(77, 48), offs, out=r(4, 64, 48), accumulate=True)
+        tgg.grouped_mm(a, b, offs.to(torch.int64), a_index=torch.randperm(77, generator=g))
+
+    return run
+
+
+def workloads(dtypes: list[str]):
+    for name in dtypes:
+        dt = DTYPES[name]
+        tf32_values = (False, True) if dt == torch.float32 else (False,)
+        for tf32 in tf32_values:
+            label = f"{name}{' tf32' if tf32 else ''}"
+            for fuse in (True, False):
+                for mode, rho in (("full", 0.0), ("compact", 0.2)):
+                    yield label, tf32, f"layer {mode} fuse={fuse}", layer_workload(dt, fuse=fuse, mode=mode,
+                                                                                      drop_ratio=rho)
+            yield label, tf32, "op accumulate/strided/int64 offs", op_workload(dt)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", type=int, nargs="+", default=[90], help="compute capabilities (90 = Hopper)")
+    ap.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), default=["bf16", "fp16", "fp32"])
+    ap.add_argument("--quick", action="store_true",
+                    help="every config for the first specialisation of each kernel, then only the config with the "
+                         "least shared memory")
+    ap.add_argument("--out", default="results/bench", help="folder for triton_compile.json ('' = no file)")
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads for the (tiny) captured layer runs")
+    a = ap.parse_args(argv)
+
+    torch.set_num_threads(a.threads)
+    specs = []  # (dtype label, source, launch)
+    for label, tf32, source, fn in workloads(a.dtype):
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        try:
+            for tma in (True, False):
+                for launch in aot.run_captured(fn, tma):
+                    specs.append((label, f"{source} tma={tma}", launch))
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = False
+
+    rows, failed = [], []
+    for arch in a.arch:
+        seen, every_config_done = set(), set()
+        todo = []
+        for label, source, launch in specs:
+            key = aot.variant_key(launch, aot.configs(launch.kernel)[0], arch)[1]
+            if key not in seen:
+                seen.add(key)
+                todo.append((label, source, launch))
+        print(f"sm_{arch}: {len(specs)} launches recorded, {len(todo)} distinct specialisations", flush=True)
+        for i, (label, source, launch) in enumerate(todo, 1):
+            cfgs = aot.configs(launch.kernel)
+            if a.quick and launch.kernel in every_config_done:
+                cfgs = cfgs[-1:]  # the smallest tiles (least shared memory) come last in both lists
+            every_config_done.add(launch.kernel)
+            results = [aot.compile_launch(launch, cfg, arch) for cfg in cfgs]
+            for res in results:
+                rows.append({"arch": arch, "dtype": label, "source": source, **res.__dict__})
+                if res.error:
+                    failed.append(f"sm_{arch} {label} {source} {res.kernel} {res.config}: {res.error}")
+            if not any(r.fits for r in results) and not any(r.error for r in results):
+                failed.append(f"sm_{arch} {label} {source} {launch.kernel}: no config fits in shared memory "
+                              f"({[r.shared for r in results]})")
+            status = "ok" if all(r.error is None for r in results) else "FAILED"
+            print(f"  [{i}/{len(todo)}] {launch.kernel} {label} {source}: {len(results)} config(s) {status} "
+                  f"({sum(r.seconds for r in results):.1f} s)", flush=True)
+
+    shown = [{"arch": f"sm_{r['arch']}", "kernel": r["kernel"].strip("_").replace("_kernel", ""),
+              "dtype": r["dtype"], "source": r["source"], "config": r["config"],
+              "shared": "-" if r["shared"] is None else f"{r['shared'] / 1024:.0f}",
+              "fits": {True: "yes", False: "no (pruned)", None: "-"}[r["fits"]],
+              "cubin": "-" if r["cubin_bytes"] is None else f"{r['cubin_bytes'] / 1024:.0f}",
+              "s": f"{r['seconds']:.1f}" if r["error"] is None else "ERROR"} for r in rows]
+    table = markdown_table(shown, [("arch", "arch", ""), ("kernel", "kernel", ""), ("dtype", "dtype", ""),
+                                   ("source", "first launched by", ""), ("config", "config", ""),
+                                   ("shared", "shared KiB", ""), ("fits", "fits", ""), ("cubin", "cubin KiB", ""),
+                                   ("s", "compile s", "")])
+    if a.out:
+        path = write_json(Path(a.out) / "triton_compile.json",
+                          {"benchmark": "triton_compile", "config": vars(a), "environment": environment(torch.device("cpu")),
+                           "autotune_configs": {k: [aot.config_name(c) for c in aot.configs(k)] for k in aot.KERNELS},
+                           "rows": rows, "failed": failed, "table": table})
+        print(f"wrote {path}")
+    print(table)
+    for f in failed:
+        print("FAILED:", f, file=sys.stderr)
+    print(f"{len(rows)} compiles, {len(failed)} failure(s)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
