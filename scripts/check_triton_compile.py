@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="every config for the first specialisation of each kernel, then only the config with the "
                          "least shared memory")
-    ap.add_argument("--out", default="results/bench", help="folder for triton_compile.json ('' = no file)")
+    ap.add_argument("--out", default="results/bench", help="folder for triton_compile_sm<arch>.json ('' = no file)")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads for the (tiny) captured layer runs")
     a = ap.parse_args(argv)
 
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
                                    ("shared", "shared KiB", ""), ("fits", "fits", ""), ("cubin", "cubin KiB", ""),
                                    ("s", "compile s", "")])
     if a.out:
-        path = write_json(Path(a.out) / "triton_compile.json",
+        path = write_json(Path(a.out) / f"triton_compile_{'_'.join(f'sm{x}' for x in a.arch)}.json",
                           {"benchmark": "triton_compile", "config": vars(a), "environment": environment(torch.device("cpu")),
                            "autotune_configs": {k: [aot.config_name(c) for c in aot.configs(k)] for k in aot.KERNELS},
                            "rows": rows, "failed": failed, "table": table})

@@ -52,7 +52,7 @@ def compiled(tmp_path_factory):
                         "--arch", "90", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-    return json.loads((out / "triton_compile.json").read_text())
+    return json.loads((out / "triton_compile_sm90.json").read_text())
 
 
 def test_every_bf16_launch_compiles_to_a_cubin(compiled):
