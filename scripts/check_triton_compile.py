@@ -25,6 +25,10 @@ from pathlib import Path
 if os.environ.get("TRITON_INTERPRET", "0") == "1":  # the real kernels, not the interpreter's
     os.environ["TRITON_INTERPRET"] = "0"
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, without its warning
+if "--reuse-cache" not in sys.argv:  # compile for real (and time it), not from an earlier run's cache
+    import tempfile
+
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="lrmoe-triton-aot-")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -94,6 +98,8 @@ def main(argv=None) -> int:
                     help="every config for the first specialisation of each kernel, then only the config with the "
                          "least shared memory")
     ap.add_argument("--out", default="results/bench", help="folder for triton_compile_sm<arch>.json ('' = no file)")
+    ap.add_argument("--reuse-cache", action="store_true",
+                    help="use Triton's usual kernel cache (default: a fresh one, so that every kernel is compiled)")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads for the (tiny) captured layer runs")
     a = ap.parse_args(argv)
 
