@@ -26,9 +26,12 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":  # the real kernels, not the 
     os.environ["TRITON_INTERPRET"] = "0"
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, without its warning
 if "--reuse-cache" not in sys.argv:  # compile for real (and time it), not from an earlier run's cache
+    import atexit
+    import shutil
     import tempfile
 
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="lrmoe-triton-aot-")
+    atexit.register(shutil.rmtree, os.environ["TRITON_CACHE_DIR"], ignore_errors=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
