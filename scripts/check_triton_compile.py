@@ -9,7 +9,9 @@ public op; each with TMA descriptors (Hopper) and with pointer loads (the fallba
 specialisation is compiled for every autotune config (``--quick``: every config for the first
 specialisation of each kernel, then only the config using the least shared memory). The table lists shared memory per
 config and whether it fits the target (configs that do not fit are pruned by the autotuner at
-run time; a specialisation with no config that fits cannot run and is an error).
+run time; a specialisation with no config that fits cannot run and is an error), what the code
+uses (``wgmma`` warpgroup MMA, TMA bulk copies, ``cp.async`` pipelined loads) and its registers per
+thread and spills (from the cubin, with the ``cuobjdump`` bundled in Triton's wheel).
 
     python scripts/check_triton_compile.py                 # sm_90, every config, JSON to results/bench/
     python scripts/check_triton_compile.py --quick --arch 90 100
@@ -148,11 +150,15 @@ def main(argv=None) -> int:
               "dtype": r["dtype"], "source": r["source"], "config": r["config"],
               "shared": "-" if r["shared"] is None else f"{r['shared'] / 1024:.0f}",
               "fits": {True: "yes", False: "no (pruned)", None: "-"}[r["fits"]],
-              "cubin": "-" if r["cubin_bytes"] is None else f"{r['cubin_bytes'] / 1024:.0f}",
+              "code": "-" if r["mma"] is None else " ".join(
+                  [r["mma"]] + ["tma"] * bool(r["tma_loads"]) + ["cp.async"] * bool(r["async_copies"])),
+              "regs": "-" if r["registers"] is None else f"{r['registers']}"
+                      + (f" (spills {r['local_bytes']} B)" if r["local_bytes"] else ""),
               "s": f"{r['seconds']:.1f}" if r["error"] is None else "ERROR"} for r in rows]
     table = markdown_table(shown, [("arch", "arch", ""), ("kernel", "kernel", ""), ("dtype", "dtype", ""),
                                    ("source", "first launched by", ""), ("config", "config", ""),
-                                   ("shared", "shared KiB", ""), ("fits", "fits", ""), ("cubin", "cubin KiB", ""),
+                                   ("shared", "shared KiB", ""), ("fits", "fits", ""), ("code", "code", ""),
+                                   ("regs", "registers", ""),
                                    ("s", "compile s", "")])
     if a.out:
         path = write_json(Path(a.out) / f"triton_compile_{'_'.join(f'sm{x}' for x in a.arch)}.json",

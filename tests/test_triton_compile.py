@@ -82,3 +82,24 @@ def test_every_autotune_config_compiles_and_some_config_fits_each_launch(compile
         by_kernel[r["kernel"]].add(r["config"])
     assert {k: sorted(v) for k, v in by_kernel.items()} == {k: sorted(v) for k, v in compiled["autotune_configs"].items()}
     assert all(r["fits"] for r in compiled["rows"])  # bf16: every config within sm_90's 227 KiB
+
+
+def test_hopper_code_uses_warpgroup_mma_and_tma(compiled):
+    """16-bit tiles must run on Hopper's wgmma (not the Ampere mma.sync path, about half the
+    peak), descriptors must become TMA bulk copies, gathered rows pipelined cp.async loads."""
+    rows = compiled["rows"]
+    assert all(r["mma"] == "wgmma" for r in rows), {(r["variant"], r["config"], r["mma"]) for r in rows
+                                                     if r["mma"] != "wgmma"}
+    for r in rows:
+        uses_desc = "A_TMA=True" in r["variant"] or "B_TMA=True" in r["variant"]
+        assert r["tma_loads"] == uses_desc, r
+        if "HAS_A_IDX=True" in r["variant"] or "HAS_B_IDX=True" in r["variant"]:
+            assert r["async_copies"], r
+
+
+def test_no_bf16_config_spills_registers(compiled):
+    rows = compiled["rows"]
+    if any(r["registers"] is None for r in rows):
+        pytest.skip("Triton's cuobjdump did not run here: registers and spills not checked")
+    assert all(r["local_bytes"] == 0 and 0 < r["registers"] <= 255 for r in rows), \
+        [(r["variant"], r["config"], r["registers"], r["local_bytes"]) for r in rows if r["local_bytes"]]

@@ -52,6 +52,11 @@ class Compiled:
     cubin_bytes: int | None
     seconds: float
     error: str | None = None
+    mma: str | None = None  # "wgmma" (Hopper warpgroup MMA), "mma.sync" (pre-Hopper tensor cores) or "none"
+    tma_loads: bool | None = None  # TMA bulk tensor copies in the PTX
+    async_copies: bool | None = None  # cp.async (pipelined pointer loads) in the PTX
+    registers: int | None = None  # per thread, from the cubin (cuobjdump -res-usage)
+    local_bytes: int | None = None  # register spills to local memory (0: none)
 
 
 def _module():
@@ -168,7 +173,34 @@ def compile_launch(launch: Launch, cfg, capability: int = 90) -> Compiled:
     shared = int(kernel.metadata.shared)
     limit = SHARED_LIMIT.get(capability // 10)
     return Compiled(launch.kernel, short, config_name(cfg), shared, None if limit is None else shared <= limit,
-                    len(kernel.asm["cubin"]), time.perf_counter() - t0)
+                    len(kernel.asm["cubin"]), time.perf_counter() - t0, **code_facts(kernel.asm["ptx"],
+                                                                                     kernel.asm["cubin"]))
+
+
+def code_facts(ptx: str, cubin: bytes) -> dict:
+    """What the compiled code uses: MMA instruction family, TMA, cp.async; registers and spills
+    (from ``cuobjdump -res-usage``, when Triton's bundled cuobjdump runs here)."""
+    import re
+    import subprocess
+    import tempfile
+
+    facts = {"mma": "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "none",
+             "tma_loads": "cp.async.bulk.tensor" in ptx,
+             "async_copies": bool(re.search(r"cp\.async\.c[ag]\.", ptx))}
+    try:
+        from triton import knobs
+
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(cubin)
+            f.flush()
+            usage = subprocess.run([knobs.nvidia.cuobjdump.path, "-res-usage", f.name], capture_output=True,
+                                   text=True, timeout=60).stdout
+        regs, local = re.search(r"REG:(\d+)", usage), re.search(r"LOCAL:(\d+)", usage)
+        if regs and local:
+            facts.update(registers=int(regs.group(1)), local_bytes=int(local.group(1)))
+    except (OSError, subprocess.SubprocessError, AttributeError):
+        pass  # facts from the PTX only
+    return facts
 
 
 def unique_launches(launches: list[Launch], capability: int = 90) -> list[Launch]:
