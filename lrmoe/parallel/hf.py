@@ -96,9 +96,12 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, ep_group=None) -> torch.T
     once), expert gradients differ per EP rank (their squared norms are summed over ``ep_group``)."""
     dense = [p.grad for p in model.parameters() if p.grad is not None and not is_expert_parallel_param(p)]
     expert = [p.grad for p in model.parameters() if p.grad is not None and is_expert_parallel_param(p)]
-    ref = (dense or expert or [torch.zeros(())])[0]
-    sq = lambda gs: sum((g.detach().double() ** 2).sum() for g in gs) if gs else torch.zeros((), dtype=torch.float64, device=ref.device)  # noqa: E731
-    expert_sq = sq(expert).reshape(1).to(ref.device)
+    # The all-reduced tensor must be on the model's device even on a rank without gradients (NCCL
+    # takes CUDA tensors only): the first gradient's device, else the first parameter's.
+    ref_device = next((g.device for g in dense + expert),
+                      next((p.device for p in model.parameters()), torch.device("cpu")))
+    sq = lambda gs: sum((g.detach().double() ** 2).sum() for g in gs) if gs else torch.zeros((), dtype=torch.float64, device=ref_device)  # noqa: E731
+    expert_sq = sq(expert).reshape(1).to(ref_device)
     if dist.get_world_size(ep_group) > 1:
         dist.all_reduce(expert_sq, group=ep_group)
     norm = (sq(dense) + expert_sq[0]).sqrt()

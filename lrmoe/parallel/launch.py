@@ -50,14 +50,31 @@ def init_distributed(ep: int | None = None, backend: str | None = None, timeout_
     MASTER_ADDR, MASTER_PORT), or as a single process when they are absent.
 
     backend: ``nccl`` when CUDA is available, else ``gloo`` (default). The device is
-    ``cuda:LOCAL_RANK`` with NCCL, else the CPU. ``timeout_s``: collective timeout; a peer that
-    dies or hangs then raises (:class:`lrmoe.parallel.runtime.EPCommunicationError`) instead of
-    hanging forever (with NCCL, set TORCH_NCCL_ASYNC_ERROR_HANDLING=1, torchrun's default).
+    ``cuda:LOCAL_RANK`` with NCCL (made the current device before the process group exists),
+    else the CPU. When a process group already exists, its backend decides (``backend``, if
+    given, must match it: ValueError otherwise). ``timeout_s``: collective timeout of the default
+    group and of the EP / expert-data-parallel subgroups. With gloo a peer that dies or hangs
+    then raises (:class:`lrmoe.parallel.runtime.EPCommunicationError`); with NCCL collectives do
+    not block the host, and a timed-out collective is caught by the NCCL watchdog, which aborts
+    the process (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, default 3), so the run stops instead of
+    hanging but no Python exception is raised, unless ``TORCH_NCCL_BLOCKING_WAIT=1`` (collectives
+    then block the host and raise, at a throughput cost).
     ep: expert-parallel group size (default: every rank); must divide the world size."""
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend not in ("nccl", "gloo"):
+    if backend is not None and backend not in ("nccl", "gloo"):
         raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+    if dist.is_initialized():
+        # The existing group decides: CUDA tensors on a gloo-only group, or CPU tensors on an
+        # NCCL group, would fail (or silently take another path) in the first collective.
+        existing = str(dist.get_backend()).lower()
+        has = {b: b in existing for b in ("nccl", "gloo")}
+        if backend is not None and not has[backend]:
+            raise ValueError(f"a process group with backend {existing!r} already exists; init_distributed"
+                             f"(backend={backend!r}) cannot change it (its collectives would get "
+                             f"{'CUDA' if backend == 'nccl' else 'CPU'} tensors)")
+        if backend is None:
+            backend = "nccl" if has["nccl"] and torch.cuda.is_available() else "gloo"
+    elif backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("backend 'nccl' needs CUDA GPUs; use 'gloo' on CPU")
     rank = int(os.environ.get("RANK", 0))
@@ -73,12 +90,14 @@ def init_distributed(ep: int | None = None, backend: str | None = None, timeout_
         device = torch.device("cpu")
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
+        # device_id binds the NCCL group to this rank's GPU (barrier() and object collectives use
+        # it instead of guessing a device).
+        kw = {"device_id": device} if backend == "nccl" else {}
         if "MASTER_ADDR" in os.environ:
-            kw = {"device_id": device} if backend == "nccl" else {}
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kw)
         elif world == 1:
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
-                                    timeout=timeout)
+                                    timeout=timeout, **kw)
         else:
             raise RuntimeError(f"WORLD_SIZE={world} without MASTER_ADDR/MASTER_PORT: launch with torchrun")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -87,12 +106,14 @@ def init_distributed(ep: int | None = None, backend: str | None = None, timeout_
         raise ValueError(f"ep must be a positive divisor of the world size {world}, got {ep!r}")
     env = DistEnv(rank, world, local_rank, device, backend, ep)
     if ep < world:
-        for start in range(0, world, ep):  # every rank creates every group, in the same order
-            g = dist.new_group(list(range(start, start + ep)))
+        # Every rank creates every group, in the same order. new_group's own default timeout is the
+        # backend's (NCCL 10 min, gloo 30 min), not the default group's: pass timeout_s on.
+        for start in range(0, world, ep):
+            g = dist.new_group(list(range(start, start + ep)), timeout=timeout)
             if start <= rank < start + ep:
                 env.ep_group = g
         for pos in range(ep):
-            g = dist.new_group(list(range(pos, world, ep)))
+            g = dist.new_group(list(range(pos, world, ep)), timeout=timeout)
             if rank % ep == pos:
                 env.expert_dp_group = g
     return env
@@ -130,7 +151,31 @@ def in_turns(fn, concurrency: int = 1, *, timeout_s: float = 3600.0):
     return result
 
 
+def host_barrier(timeout_s: float = 3600.0) -> None:
+    """A barrier of every rank for long host-side waits (one rank preparing data, writing a large
+    checkpoint): a gloo group of its own, whose timeout is ``timeout_s``. Every rank of the default
+    group must call it.
+
+    ``dist.barrier()`` on the training group would wait under that group's collective timeout
+    (``init_distributed(timeout_s=...)``, 10 minutes by default): gloo then raises, and with NCCL
+    the watchdog aborts the waiting processes. The gloo group's barrier is a host-side wait that
+    holds no GPU collective in flight."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    # One group per timeout, created on first use (every rank calls this at the same points, so
+    # every rank creates the same groups in the same order) and destroyed by shutdown().
+    group = _HOST_GROUPS.get(timeout_s)
+    if group is None:
+        group = _HOST_GROUPS[timeout_s] = dist.new_group(backend="gloo",
+                                                         timeout=datetime.timedelta(seconds=timeout_s))
+    dist.barrier(group=group)
+
+
+_HOST_GROUPS: dict[float, object] = {}
+
+
 def shutdown() -> None:
     """Destroy the process group (if any)."""
+    _HOST_GROUPS.clear()
     if dist.is_initialized():
         dist.destroy_process_group()

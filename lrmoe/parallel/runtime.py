@@ -28,8 +28,11 @@ parameters are sums over the tokens of all ranks (no 1/G; see :func:`finish_grad
 
 Every rank must call every EP layer with the same configuration and backpropagate through every
 call (the backward runs collectives). Collective failures (a peer that died or never came, a
-timeout) raise :class:`EPCommunicationError`; set the process-group timeout with
-``init_process_group(timeout=...)`` (:func:`lrmoe.parallel.launch.init_distributed`).
+timeout) raise :class:`EPCommunicationError` where the backend reports them to the caller (gloo;
+NCCL with ``TORCH_NCCL_BLOCKING_WAIT=1``); NCCL collectives otherwise do not block the host and
+the NCCL watchdog aborts the process when one times out. Set the process-group timeout with
+``init_process_group(timeout=...)`` (:func:`lrmoe.parallel.launch.init_distributed`). With NCCL
+every tensor must be on this rank's GPU (``torch.cuda.current_device()``).
 """
 from __future__ import annotations
 
@@ -114,6 +117,9 @@ class ExpertParallel:
         self.world_size = dist.get_world_size(group)
         if self.rank < 0:
             raise ValueError("this process is not a member of the given expert-parallel group")
+        # "nccl", "gloo" or e.g. "cpu:gloo,cuda:nccl": whether the group can take CPU tensors.
+        self.backend = str(dist.get_backend(group)).lower()
+        self._sizes_checked = False  # the first call checks the message sizes before the demand gather
         G = self.world_size
         if num_experts % G:
             raise ValueError(f"num_experts ({num_experts}) must be divisible by the EP group size ({G}): "
@@ -239,24 +245,42 @@ def _all_to_all(ep: ExpertParallel, x: torch.Tensor, out_splits, in_splits, what
     return out
 
 
+_HEADER_NAMES = ("num_experts", "hidden", "intermediate", "top_k", "experts_per_rank", "weight dtype",
+                 "placement", "backward mode", "drop_ratio (1e-9)", "scorer", "quota policy", "slots_per_rank",
+                 "quota/scorer options (crc)", "planner options, budget, fast domains, byte sizes (crc)")
+
+
+def _check_headers(ep: ExpertParallel, rows: np.ndarray, h: int) -> None:
+    bad = [r for r in range(ep.world_size) if not np.array_equal(rows[r, :h], rows[0, :h])]
+    if bad:
+        diff = [f"{n}: rank 0 has {rows[0, j]}, rank {r} has {rows[r, j]}" for r in bad
+                for j, n in enumerate(_HEADER_NAMES) if rows[r, j] != rows[0, j]]
+        raise ValueError(f"expert-parallel layer configured differently across ranks ({'; '.join(diff)})")
+
+
 def _gather_demand(ep: ExpertParallel, demand_E: torch.Tensor, header: list[int]) -> np.ndarray:
-    """all_gather of [header, demand]; raises ValueError on every rank if the headers differ."""
-    mine = torch.cat([torch.tensor(header, dtype=torch.int64, device=demand_E.device), demand_E.to(torch.int64)])
+    """all_gather of [header, demand]; raises ValueError on every rank if the headers differ.
+
+    The message has len(header) + E entries. NCCL does not check that every rank sends as many
+    bytes (gloo does): ranks with different E would hang or read garbage. So the first call of
+    each layer first gathers the fixed-size header alone; E is fixed per layer after that."""
+    dev = demand_E.device
+    mine = torch.cat([torch.tensor(header, dtype=torch.int64, device=dev), demand_E.to(torch.int64)])
     if ep.world_size == 1:
         rows = mine[None].cpu().numpy()
     else:
+        if not ep._sizes_checked:
+            head = mine[:len(header)].contiguous()
+            hparts = [torch.empty_like(head) for _ in range(ep.world_size)]
+            _collective(ep, "all_gather (demand) of the layer's sizes",
+                        lambda: dist.all_gather(hparts, head, group=ep.group))
+            _check_headers(ep, torch.stack(hparts).cpu().numpy(), len(header))
+            ep._sizes_checked = True
         parts = [torch.empty_like(mine) for _ in range(ep.world_size)]
         _collective(ep, "all_gather (demand)", lambda: dist.all_gather(parts, mine, group=ep.group))
         rows = torch.stack(parts).cpu().numpy()
     h = len(header)
-    bad = [r for r in range(ep.world_size) if not np.array_equal(rows[r, :h], rows[0, :h])]
-    if bad:
-        names = ["num_experts", "hidden", "intermediate", "top_k", "experts_per_rank", "weight dtype",
-                 "placement", "backward mode", "drop_ratio (1e-9)", "scorer", "quota policy", "slots_per_rank",
-                 "quota/scorer options (crc)", "planner options, budget, fast domains, byte sizes (crc)"]
-        diff = [f"{n}: rank 0 has {rows[0, j]}, rank {r} has {rows[r, j]}" for r in bad for j, n in enumerate(names)
-                if rows[r, j] != rows[0, j]]
-        raise ValueError(f"expert-parallel layer configured differently across ranks ({'; '.join(diff)})")
+    _check_headers(ep, rows, h)
     return rows[:, h:]
 
 
@@ -539,9 +563,31 @@ class _EPExperts(torch.autograd.Function):
 _MODES = {"full": 0, "compact": 1, "mask": 2}
 
 
+def _check_devices(hidden_TH, idx_TK, w_TK, gate_up, down, ep: ExpertParallel):
+    """ValueError, before any collective, for inputs on different devices, or not on this rank's
+    GPU when the EP group is NCCL (whose collectives take CUDA tensors of the current device only)."""
+    dev = hidden_TH.device
+    others = {"top_k_index": idx_TK.device, "top_k_weights": w_TK.device, "gate_up_proj": gate_up.device,
+              "down_proj": down.device}
+    wrong = {k: str(d) for k, d in others.items() if d != dev}
+    if wrong:
+        raise ValueError(f"expert-parallel inputs must be on one device: hidden_TH is on {dev}, but {wrong}")
+    if "gloo" not in ep.backend and "nccl" in ep.backend:
+        if dev.type != "cuda":
+            raise ValueError(f"the expert-parallel group uses {ep.backend!r}, whose collectives take CUDA tensors, "
+                             f"but the inputs are on {dev}: move the model and batch to this rank's GPU "
+                             f"(launch.init_distributed's env.device)")
+        cur = torch.cuda.current_device()
+        if dev.index is not None and dev.index != cur:
+            raise ValueError(f"the inputs are on {dev} but this rank's current CUDA device is cuda:{cur}; NCCL "
+                             f"needs one GPU per rank: call torch.cuda.set_device(local_rank) before anything "
+                             f"else (launch.init_distributed does) and keep the model on it")
+
+
 def _check_local_inputs(hidden_TH, idx_TK, w_TK, gate_up, down, ep: ExpertParallel):
     if hidden_TH.dim() != 2:
         raise ValueError(f"hidden_TH must be [T, H], got shape {tuple(hidden_TH.shape)}")
+    _check_devices(hidden_TH, idx_TK, w_TK, gate_up, down, ep)
     T, H = hidden_TH.shape
     El = ep.experts_per_rank
     if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != El or gate_up.shape[2] != H \

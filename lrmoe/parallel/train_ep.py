@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from . import hf as ep_hf
+from .launch import host_barrier
 from .runtime import ExpertParallel
 
 # Keys of BackwardRecord.comm_bytes (lrmoe.parallel.runtime), in the order they are logged.
@@ -133,7 +134,7 @@ class DistributedRunner:
         first = self.env.local_rank == 0
         if first:
             out = load_data(cfg)
-        dist.barrier()
+        host_barrier()  # tokenising may outlast the collective timeout
         return out if first else load_data(cfg)
 
     def build_model(self, make, policy):
@@ -270,11 +271,11 @@ class DistributedRunner:
         _atomic_torch_save({"step": common["step"], "rank": self.rank, "world_size": self.world,
                             "optimizer": opt.state_dict(), "rng": rng_state,
                             "placement_state": [ep.state for ep in self.eps]}, mine)
-        dist.barrier()
+        host_barrier()  # writing hundreds of GB may outlast the collective timeout
         if self.is_main:
             _atomic_torch_save({**common, "model": full, "world_size": self.world, "ep_size": self.env.ep_size,
                                 "rank_files": f"{path.stem}.rank{{r}}{path.suffix}"}, path)
-        dist.barrier()
+        host_barrier()
         prev.unlink(missing_ok=True)
 
     def load_checkpoint(self, path: Path) -> dict:
@@ -309,7 +310,7 @@ class DistributedRunner:
 
     # ------------------------------------------------------------------ end
     def barrier(self) -> None:
-        dist.barrier()
+        host_barrier()
 
     def close(self) -> None:
         if self.owns_group:
