@@ -524,3 +524,68 @@ def test_device_guard():
     with pytest.raises(ValueError, match="CUDA tensors"):
         _check_devices(t, t, t, t, t, types.SimpleNamespace(backend="nccl"))
     _check_devices(t, t, t, t, t, types.SimpleNamespace(backend="cpu:gloo,cuda:nccl"))
+
+
+# ----------------------------------------------------------------------------- data-parallel gradient sync
+def _grad_sync_worker(rank, G, port, out_dir):
+    from lrmoe.parallel import launch
+    from lrmoe.parallel.runtime import _mark, finish_grad_sync
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(G), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(G),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    launch.init_distributed(ep=G, timeout_s=PG_TIMEOUT_S)
+    m = torch.nn.Module()
+    m.a = torch.nn.Parameter(torch.zeros(5))
+    m.b = torch.nn.Parameter(torch.zeros(3, 4))
+    m.c = torch.nn.Parameter(torch.zeros(7))  # no gradient on any rank
+    m.d = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    m.e = _mark(torch.nn.Parameter(torch.zeros(4)))  # an expert shard
+    g = torch.Generator().manual_seed(100 + rank)
+    before = {}
+    for name in ("a", "b", "d", "e"):
+        p = getattr(m, name)
+        if name == "b" and rank == 1:
+            continue  # b has a gradient on rank 0 only
+        p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+        before[name] = p.grad.clone()
+    calls = []
+    real = dist.all_reduce
+    dist.all_reduce = lambda t, *a, **k: (calls.append(t.numel()), real(t, *a, **k))[1]
+    try:
+        finish_grad_sync(m, None, None, bucket_numel=6)
+    finally:
+        dist.all_reduce = real
+    after = {n: (None if getattr(m, n).grad is None else getattr(m, n).grad.clone()) for n in "abcde"}
+    torch.save({"before": before, "after": after, "calls": calls}, os.path.join(out_dir, f"rank{rank}.pt"))
+    launch.shutdown()
+    os._exit(0)
+
+
+def test_grad_sync_agrees_on_missing_gradients_and_buckets(tmp_path):
+    """A gradient present on one rank only is averaged with zeros (the other rank gets a zero
+    gradient first, so both ranks' bucketed all-reduces match); a parameter without gradients
+    anywhere stays None; buckets split by size and dtype; expert shards are divided by W only."""
+    spawn(_grad_sync_worker, 2, str(tmp_path), deadline_s=120)
+    r = [torch.load(tmp_path / f"rank{i}.pt", weights_only=False) for i in range(2)]
+    for name in ("a", "d"):
+        want = (r[0]["before"][name] + r[1]["before"][name]) / 2
+        for i in range(2):
+            torch.testing.assert_close(r[i]["after"][name], want, rtol=0, atol=1e-12)
+    for i in range(2):
+        torch.testing.assert_close(r[i]["after"]["b"], r[0]["before"]["b"] / 2, rtol=0, atol=1e-7)
+        assert r[i]["after"]["c"] is None
+        torch.testing.assert_close(r[i]["after"]["e"], r[i]["before"]["e"] / 2, rtol=0, atol=0)
+        # presence flags (5 trainable params), then buckets: a (5), b (12, alone: over 6), d (fp64, own dtype)
+        assert r[i]["calls"] == [5, 5, 12, 2], r[i]["calls"]
+
+
+def test_buckets_keep_order_size_and_dtype():
+    from lrmoe.parallel.runtime import _buckets
+
+    gs = [torch.zeros(3), torch.zeros(2), torch.zeros(4), torch.zeros(1, dtype=torch.float64), torch.zeros(1),
+          torch.zeros(9)]
+    b = _buckets(gs, 5)
+    assert [[g.numel() for g in x] for x in b] == [[3, 2], [4], [1], [1], [9]]
+    assert [x[0].dtype for x in b] == [torch.float32, torch.float32, torch.float64, torch.float32, torch.float32]
+    assert [g for x in b for g in x] == gs  # every gradient once, in order (identity)
