@@ -26,7 +26,7 @@ Semantics (docs/expert_parallel.md, "Training with torchrun"):
   non-finite scores, the runtime's ``comm_bytes``); times are the maximum over ranks. Rank 0
   alone writes ``metrics.jsonl`` and ``summary.json``. Evaluation runs on every rank, each on its
   share of every held-out micro-batch.
-* Checkpoints: ``checkpoint.pt`` (rank 0) holds the full, unsharded weights (gathered layer by
+* Checkpoints: ``checkpoint.pt`` (rank 0) holds the full, unsharded weights (gathered to rank 0 alone, layer by
   layer to the CPU), the scheduler, the data position, rank 0's RNG and the world layout;
   ``checkpoint.rank{r}.pt`` (every rank) holds that rank's optimizer state (its expert shards),
   RNG states and the placement planners' state. Rank files are written first, then the main file
@@ -239,9 +239,11 @@ class DistributedRunner:
         return ckpt_path.with_name(f"{ckpt_path.stem}.rank{self.rank}{'.prev' if prev else ''}{ckpt_path.suffix}")
 
     def full_state_dict_cpu(self, model) -> dict | None:
-        """The unsharded state dict on rank 0 (CPU tensors), None elsewhere. A collective: like
-        :func:`lrmoe.parallel.hf.full_state_dict`, but each layer's gathered experts go to the CPU
-        at once, so no GPU ever holds more than one layer's full expert weights."""
+        """The unsharded state dict on rank 0 (CPU tensors), None elsewhere. A collective of rank
+        0's EP group (the other EP groups hold the same weights and take no part): each layer's
+        expert shards are gathered to rank 0 alone (``dist.gather``; the other ranks allocate
+        nothing) and go to the CPU at once, so no GPU ever holds more than one layer's full
+        expert weights, and only rank 0's does."""
         sd = model.state_dict()
         owners = {}
         for mname, m in model.named_modules():
@@ -252,11 +254,13 @@ class DistributedRunner:
         out = {} if self.is_main else None
         for key, t in sd.items():
             ep = owners.get(key)
-            if ep is not None:
+            if ep is not None and ep.world_size > 1:
+                if 0 not in dist.get_process_group_ranks(ep.group):
+                    continue  # not rank 0's EP group: a data-parallel copy of the same weights
                 local = t.contiguous()
-                parts = [torch.empty_like(local) for _ in range(ep.world_size)]
-                dist.all_gather(parts, local, group=ep.group)
-                t = torch.cat(parts)
+                parts = [torch.empty_like(local) for _ in range(ep.world_size)] if out is not None else None
+                dist.gather(local, parts, dst=0, group=ep.group)  # dst: a global rank
+                t = torch.cat(parts) if parts is not None else t
             if out is not None:
                 out[key] = t.detach().cpu()
         return out
