@@ -27,6 +27,34 @@ from .quota import quota_for, retained_total
 from .scorers import ScoreInputs, get_scorer, row_norm2
 
 
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype of an active ``torch.autocast`` region for ``device``'s type, or None."""
+    try:
+        return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+    except RuntimeError:  # a device type autocast does not know (e.g. meta)
+        return None
+
+
+def autocast_inputs(hidden_TH: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor):
+    """Inside ``torch.autocast``: the token rows and expert weights cast to the autocast dtype
+    (float32 tensors only, as autocast casts ``nn.Linear``'s inputs), so that the expert GEMMs run
+    in bf16/fp16 like the rest of the model (fp32 master weights; their gradients come back
+    through the casts in fp32). Outside autocast: unchanged. The experts functions call this,
+    then run their forward and backward with autocast off (explicit dtypes throughout)."""
+    dt = autocast_dtype(hidden_TH.device)
+    if dt is None:
+        return hidden_TH, gate_up_proj, down_proj
+    cast = lambda t: t.to(dt) if t.dtype == torch.float32 else t  # noqa: E731
+    return cast(hidden_TH), cast(gate_up_proj), cast(down_proj)
+
+
+def autocast_off(device: torch.device):
+    """A context with autocast disabled for ``device``'s type (a no-op context where it is off)."""
+    import contextlib
+
+    return torch.autocast(device.type, enabled=False) if autocast_dtype(device) is not None else contextlib.nullcontext()
+
+
 def check_routing_shapes(T: int, top_k_index_TK: torch.Tensor, top_k_weights_TK: torch.Tensor) -> None:
     """top_k_index and top_k_weights must both be [T, K]; the index must be an integer tensor."""
     if top_k_index_TK.dim() != 2 or top_k_index_TK.shape[0] != T or top_k_weights_TK.shape != top_k_index_TK.shape:
@@ -188,6 +216,11 @@ class _SelectiveExperts(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, g_TH):
+        with autocast_off(g_TH.device):  # explicit dtypes, also when backward runs inside autocast
+            return _SelectiveExperts._backward(ctx, g_TH)
+
+    @staticmethod
+    def _backward(ctx, g_TH):
         (hidden_TH, alpha_TK, gate_up_proj, down_proj, top_k_index_TK, perm_P, offs_E, demand_E, quota_E,
          GU, O_TKH, phi_norm2_TK, X) = ctx.saved_tensors
         policy, record, n_keep = ctx.policy, ctx.record, ctx.n_keep
@@ -268,8 +301,14 @@ def lrmoe_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_w
     hidden_TH [T, H]; top_k_index_TK [T, K] expert ids; top_k_weights_TK [T, K] routing weights;
     gate_up_proj [E, 2I, H] (gate half first); down_proj [E, H, I]. Returns y_TH [T, H] with
     y_t = sum_k alpha_{t,k} expert_{e_{t,k}}(x_t). ``record`` (a fresh :class:`BackwardRecord`)
-    is filled when the backward runs."""
+    is filled when the backward runs.
+
+    Inside ``torch.autocast``, float32 ``hidden_TH`` and weights are cast to the autocast dtype
+    first (:func:`autocast_inputs`; y is then in that dtype); the function itself runs with
+    autocast off."""
     policy = (policy if policy is not None else BackwardPolicy()).validate()
     _check_inputs(hidden_TH, top_k_index_TK, top_k_weights_TK, gate_up_proj, down_proj)
-    return _SelectiveExperts.apply(hidden_TH, top_k_weights_TK, gate_up_proj, down_proj,
-                                   top_k_index_TK.to(torch.int64), policy, record)
+    hidden_TH, gate_up_proj, down_proj = autocast_inputs(hidden_TH, gate_up_proj, down_proj)
+    with autocast_off(hidden_TH.device):
+        return _SelectiveExperts.apply(hidden_TH, top_k_weights_TK, gate_up_proj, down_proj,
+                                       top_k_index_TK.to(torch.int64), policy, record)

@@ -48,7 +48,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..experts import acc_dtype, buffer_bytes, check_routing_shapes, expert_backward, score_pairs, Stopwatch, swiglu
+from ..experts import (Stopwatch, acc_dtype, autocast_inputs, autocast_off, buffer_bytes, check_routing_shapes,
+                       expert_backward, score_pairs, swiglu)
 from ..kernels.grouped_gemm import grouped_mm
 from ..kernels.routing import select_top_quota, sort_pairs_by_expert, sum_rows_by_token
 from ..policy import BackwardPolicy, BackwardRecord
@@ -458,6 +459,11 @@ class _EPExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_TH):
+        with autocast_off(g_TH.device):  # explicit dtypes, also when backward runs inside autocast
+            return _EPExperts._backward(ctx, g_TH)
+
+    @staticmethod
+    def _backward(ctx, g_TH):
         hidden_TH, alpha_TK, gate_up, down, idx_TK, send_pair, O_TKH, phi_TK, X_g, GU, W_gu, W_d = ctx.saved_tensors
         call = ctx.call
         ep, lay, policy, record = call.ep, call.layout, call.policy, call.record
@@ -630,6 +636,8 @@ def ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weig
     bwd_grad_rows, bwd_grad_index, bwd_dx, bwd_weight_grads), ``plan``, ``rank``, ``world_size``."""
     policy = policy if policy is not None else BackwardPolicy()
     _check_local_inputs(hidden_TH, top_k_index_TK, top_k_weights_TK, gate_up_proj, down_proj, ep)
+    # under torch.autocast: bf16/fp16 rows and weights, like lrmoe_experts (then autocast off inside)
+    hidden_TH, gate_up_proj, down_proj = autocast_inputs(hidden_TH, gate_up_proj, down_proj)
     idx = top_k_index_TK.to(torch.int64)
     T, K = idx.shape
     E, H, I = ep.num_experts, hidden_TH.shape[1], gate_up_proj.shape[1] // 2
@@ -683,7 +691,8 @@ def _run(hidden_TH, idx, w_TK, gate_up, down, ep, plan, policy, record):
     compacts = policy.selects and policy.mode == "compact" and bool((plan.backward_quota_GN != plan.send_GN).any())
     layout = _Layout(plan, ep.rank, ep.experts_per_rank, compacts, hidden_TH.device)
     call = _Call(ep, plan, layout, policy, record, ep.num_experts)
-    return _EPExperts.apply(hidden_TH, w_TK, gate_up, down, idx, call)
+    with autocast_off(hidden_TH.device):
+        return _EPExperts.apply(hidden_TH, w_TK, gate_up, down, idx, call)
 
 
 # ----------------------------------------------------------------------------- module
