@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dist_helpers import spawn, torchrun_env
 from lrmoe import BackwardPolicy
 from lrmoe.experts import autocast_dtype, lrmoe_experts
 
@@ -81,8 +82,7 @@ def _ep_worker(rank, G, port, out_dir):
         from lrmoe.parallel.runtime import ExpertParallel, ExpertParallelExperts
 
         torch.set_num_threads(1)
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(G), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(G),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torchrun_env(rank, G, port)
         launch.init_distributed(ep=G, timeout_s=30)
         x, idx, w, w_gu, w_d, dy = _case(seed=11, T=30, E=4)
         lo, hi = (0, 17) if rank == 0 else (17, 30)
@@ -107,21 +107,7 @@ def _ep_worker(rank, G, port, out_dir):
 
 
 def test_expert_parallel_layer_under_autocast_equals_explicit_bf16(tmp_path):
-    import socket
-    import time
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.start_processes(_ep_worker, args=(2, port, str(tmp_path)), nprocs=2, join=False, start_method="spawn")
-    t0 = time.perf_counter()
-    while not ctx.join(timeout=1):
-        if time.perf_counter() - t0 > 120:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("2 spawned ranks did not finish within 120 s (hang)")
+    spawn(_ep_worker, 2, str(tmp_path), deadline_s=120)
     for r in range(2):
         res = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
         assert "error" not in res, res["error"]

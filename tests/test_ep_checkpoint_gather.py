@@ -8,21 +8,13 @@ gathered layer (``dist.gather``, not ``all_gather``).
 from __future__ import annotations
 
 import os
-import socket
-import time
 import traceback
 import types
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from dist_helpers import spawn, torchrun_env
 
 
 def _worker(rank, G, port, out_dir):
@@ -35,8 +27,7 @@ def _worker(rank, G, port, out_dir):
         from lrmoe.parallel.train_ep import DistributedRunner
 
         torch.set_num_threads(1)
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(G), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(G),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torchrun_env(rank, G, port)
         env = launch.init_distributed(ep=2, timeout_s=30)
         model = hf.build_model("qwen3-moe-tiny", vocab_size=61, seed=5)
         ep_hf.parallelize_experts(model, env.ep_group, "fixed", policy=BackwardPolicy())
@@ -72,14 +63,7 @@ def _worker(rank, G, port, out_dir):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     d = tmp_path_factory.mktemp("ep_ckpt")
-    ctx = mp.start_processes(_worker, args=(4, _free_port(), str(d)), nprocs=4, join=False, start_method="spawn")
-    t0 = time.perf_counter()
-    while not ctx.join(timeout=1):
-        if time.perf_counter() - t0 > 180:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            pytest.fail("4 spawned ranks did not finish within 180 s (hang)")
+    spawn(_worker, 4, str(d), deadline_s=180)
     out = [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(4)]
     for r, res in enumerate(out):
         assert "error" not in res, f"rank {r}:\n{res['error']}"

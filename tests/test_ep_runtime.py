@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
-import socket
 import time
 import traceback
 
@@ -20,10 +19,10 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lrmoe import BackwardPolicy, lrmoe_experts
 from lrmoe.quota import quota_for, retained_total
+from dist_helpers import spawn
 from oracle import expected_keep, moe_loop
 
 f64 = torch.float64
@@ -63,12 +62,6 @@ CASES = {
     ],
 }
 REPLICATING = ("symi-c0", "ultraep-c0", "ultraep_greedy-c0", "lrmoe-c0", "lrmoe-c20")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_data(tokens, seed):
@@ -241,17 +234,6 @@ def error_worker(rank, G, port, out_dir):
     os._exit(0)  # the group is broken on purpose: skip the teardown
 
 
-def spawn(fn, G, *args, deadline_s=SPAWN_DEADLINE_S):
-    ctx = mp.start_processes(fn, args=(G, free_port(), *args), nprocs=G, join=False, start_method="spawn")
-    t0 = time.perf_counter()
-    while not ctx.join(timeout=1):
-        if time.perf_counter() - t0 > deadline_s:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            pytest.fail(f"spawned group of {G} did not finish within {deadline_s} s (hang)")
-
-
 # ----------------------------------------------------------------------------- test side
 SEED = 1234
 
@@ -262,7 +244,7 @@ def results(tmp_path_factory):
     for G, cases in CASES.items():
         d = tmp_path_factory.mktemp(f"ep{G}")
         t0 = time.perf_counter()
-        spawn(worker, G, str(d), cases, SEED)
+        spawn(worker, G, str(d), cases, SEED, deadline_s=SPAWN_DEADLINE_S)
         out[G] = (d, time.perf_counter() - t0)
     return out
 

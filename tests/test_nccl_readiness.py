@@ -15,7 +15,6 @@ from __future__ import annotations
 import datetime
 import inspect
 import os
-import socket
 import time
 import traceback
 import types
@@ -23,8 +22,8 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from dist_helpers import spawn
 from lrmoe import BackwardPolicy
 
 PG_TIMEOUT_S = 20
@@ -40,23 +39,6 @@ TENSOR_OPS = ("all_gather", "all_gather_into_tensor", "all_to_all_single", "all_
               "irecv", "barrier")
 FORBIDDEN = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
              "monitored_barrier")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(fn, G, *args, deadline_s=SPAWN_DEADLINE_S):
-    ctx = mp.start_processes(fn, args=(G, free_port(), *args), nprocs=G, join=False, start_method="spawn")
-    t0 = time.perf_counter()
-    while not ctx.join(timeout=1):
-        if time.perf_counter() - t0 > deadline_s:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            pytest.fail(f"spawned group of {G} did not finish within {deadline_s} s (hang)")
 
 
 # ----------------------------------------------------------------------------- the auditor
@@ -334,7 +316,7 @@ def ep_worker(rank, G, port, out_dir):
 @pytest.fixture(scope="module")
 def ep_results(tmp_path_factory):
     d = tmp_path_factory.mktemp("nccl_ep")
-    spawn(ep_worker, 2, str(d))
+    spawn(ep_worker, 2, str(d), deadline_s=SPAWN_DEADLINE_S)
     ranks = [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for r, res in enumerate(ranks):
         assert "error" not in res, f"rank {r}:\n{res['error']}"
