@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# One-GPU check (Hopper, e.g. one H200): the CUDA tests, the grouped GEMM benchmark and the layer
-# benchmark, in under 9 minutes, with only what the machine has preinstalled (no network).
+# One-GPU check (Hopper, e.g. one H200): the CUDA tests, the grouped GEMM benchmark, the layer
+# benchmark, the backward-GEMM scaling and a 30-step training smoke run (bf16 autocast, Triton
+# experts, synthetic Alpaca-style records), in under 9 minutes, with only what the machine has
+# preinstalled (no network).
 #
 #     bash scripts/gpu_check.sh            # writes under $OUT, default results/gpu/<date>-<gpu name>/
 #
@@ -32,16 +34,28 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.lo
     tail -n 3 "$OUT/$name.log"
 }
 
-step pytest_cuda 150 $PY -m pytest -q -m cuda tests -p no:cacheprovider --junitxml="$OUT/pytest_cuda.xml"
+step pytest_cuda 120 $PY -m pytest -q -m cuda tests -p no:cacheprovider --junitxml="$OUT/pytest_cuda.xml"
 if [ "$gpu" = no-gpu ]; then  # only the plumbing can be checked without a GPU
     echo "no CUDA GPU: the CUDA tests are skipped and the benchmark runs its --smoke shapes"
     step bench_grouped_gemm 210 $PY scripts/bench_grouped_gemm.py --smoke --out "$OUT"
 else
-    step bench_grouped_gemm 210 $PY scripts/bench_grouped_gemm.py --reps 5 --out "$OUT"
+    step bench_grouped_gemm 180 $PY scripts/bench_grouped_gemm.py --reps 5 --out "$OUT"
     if [ -f scripts/bench_layer.py ]; then
         step bench_layer 90 $PY scripts/bench_layer.py --device cuda --out "$OUT"
     fi
     step bench_gemm_scaling 60 $PY scripts/bench_gemm_scaling.py --device cuda --shape qwen3-30b-a3b --out "$OUT"
+    # training end to end on the GPU: synthetic records (no network), C20, bf16 autocast, Triton experts
+    $PY - "$OUT/synthetic_alpaca.json" <<'SYNEOF'
+import json, random, sys
+rng = random.Random(0)
+words = [f"w{i}" for i in range(300)]
+recs = [{"instruction": " ".join(rng.choices(words, k=rng.randint(5, 20))), "input": "",
+         "output": " ".join(rng.choices(words, k=rng.randint(10, 60)))} for _ in range(600)]
+json.dump(recs, open(sys.argv[1], "w"))
+SYNEOF
+    step train_smoke 75 $PY -m lrmoe.cli train --out "$OUT/train_smoke" --data "$OUT/synthetic_alpaca.json" \
+        --model qwen3-moe-tiny --steps 30 --micro-batch 8 --seq-len 256 --drop-ratio 0.2 --device cuda \
+        --eval-interval 0 --no-progress
 fi
 
 $PY - "$OUT" <<'PYEOF'
@@ -80,6 +94,13 @@ if f.exists():
     print("\nbackward GEMMs alone vs rows kept (ideal = the fraction):")
     for r in d["rows"]:
         print(f"  {r['shape']:14} {r['backend']:7} {r['fraction']:.2f}  total {r['total_ms']:8.2f} ms  x{r['total_vs_full']:.3f}")
+f = out / "train_smoke" / "metrics.jsonl"
+if f.exists():
+    rows = [json.loads(l) for l in f.read_text().splitlines() if l.strip()]
+    steps = [r for r in rows if "loss" in r]
+    if steps:
+        print(f"\ntraining smoke (GPU, bf16 autocast, C20): {len(steps)} steps, loss {steps[0]['loss']:.3f} -> "
+              f"{steps[-1]['loss']:.3f}")
 f = out / "bench_layer_cuda.json"
 if f.exists():
     d = json.loads(f.read_text())

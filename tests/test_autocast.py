@@ -55,6 +55,32 @@ def test_autocast_equals_explicit_bf16_inputs(mode, rho):
     assert not torch.equal(y_auto.float(), y32)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode,rho", [("full", 0.0), ("compact", 0.2)])
+def test_cuda_autocast_runs_the_bf16_triton_path(mode, rho):
+    """On a GPU, under bf16 autocast with fp32 parameters (how `lrmoe train` runs), the experts
+    take the bf16 Triton path: equal to inputs cast by hand, and fp32 gradients for the weights."""
+    dev = torch.device("cuda")
+    x, idx, w, w_gu, w_d, dy = (t.to(dev) for t in _case(seed=5, T=300, H=256, I=128, E=16, K=4))
+    policy = BackwardPolicy(drop_ratio=rho, mode=mode)  # backend auto: triton on CUDA
+
+    def run(cast, auto):
+        leaves = [t.clone().requires_grad_() for t in (x, w, w_gu, w_d)]
+        xx, ww, gu, d = leaves
+        if cast:
+            xx, gu, d = xx.bfloat16(), gu.bfloat16(), d.bfloat16()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=auto):
+            y = lrmoe_experts(xx, idx, ww, gu, d, policy)
+        y.backward(dy.to(y.dtype))
+        return y.detach(), [t.grad for t in leaves]
+
+    y_auto, g_auto = run(False, True)
+    y_ref, g_ref = run(True, False)
+    assert y_auto.dtype == torch.bfloat16 and torch.equal(y_auto, y_ref)
+    for a, b in zip(g_auto, g_ref):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+
+
 def test_float64_is_not_cast_under_autocast():
     args = _case(seed=3, dtype=torch.float64)
     policy = BackwardPolicy(drop_ratio=0.25, backend="loop")
