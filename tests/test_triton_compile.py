@@ -4,8 +4,10 @@ The interpreter tests check the kernels' numbers; they cannot catch what only th
 (layouts, TMA descriptor types, shared memory, PTX and ptxas errors). This runs
 ``scripts/check_triton_compile.py --quick --dtype bf16`` in a fresh process (the real kernels,
 not the interpreter's): every bf16 specialisation the experts' forward/backward and the public op
-launch, with and without TMA descriptors, compiled to a cubin through Triton's own binder, every
-autotune config for the first specialisation of each kernel.
+launch, with and without TMA descriptors, compiled to a cubin through Triton's own binder; every
+autotune config for the layer's launches with TMA at the first size (what training runs on
+Hopper), the smallest-tile config for every other launch (other sizes, pointer loads, the op's
+other paths). ``results/bench/triton_compile_sm90.json`` has every config of every launch.
 """
 from __future__ import annotations
 
@@ -97,9 +99,19 @@ def test_hopper_code_uses_warpgroup_mma_and_tma(compiled):
             assert r["async_copies"], r
 
 
-def test_no_bf16_config_spills_registers(compiled):
-    rows = compiled["rows"]
-    if any(r["registers"] is None for r in rows):
-        pytest.skip("Triton's cuobjdump did not run here: registers and spills not checked")
-    assert all(r["local_bytes"] == 0 and 0 < r["registers"] <= 255 for r in rows), \
-        [(r["variant"], r["config"], r["registers"], r["local_bytes"]) for r in rows if r["local_bytes"]]
+def test_ptxas_facts_are_read_for_every_compile(compiled):
+    """Registers, stack frame and spills come from the ptxas -v log of each compile (a fresh Triton
+    cache: every kernel is compiled here, none comes from an earlier run)."""
+    for r in compiled["rows"]:
+        assert r["registers"] is not None and 0 < r["registers"] <= 255, r
+        assert r["stack_bytes"] is not None and r["spill_store_bytes"] is not None, r
+
+
+def test_no_bf16_layer_config_spills_registers(compiled):
+    """The launches training makes (the experts' forward and backward in bf16): no register spills
+    in any config compiled here. (Other launches of the op are reported by the script, not asserted.)"""
+    layer = [r for r in compiled["rows"] if r["source"].startswith("layer")]
+    assert len(layer) >= 40 and len({(r["kernel"], r["config"]) for r in layer}) == 10
+    spilled = [(r["source"], r["variant"], r["config"], r["registers"], r["spill_store_bytes"]) for r in layer
+               if r["spill_store_bytes"]]
+    assert not spilled, spilled

@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 from typing import Callable
 
 import torch
 
-# Largest shared memory one block may use (opt-in), in bytes, per compute capability major.
-SHARED_LIMIT = {8: 166912, 9: 232448, 10: 232448, 12: 101376}
+# Largest shared memory one block may use (opt-in), in bytes, per compute capability (CUDA
+# programming guide, "Technical specifications per compute capability"); unknown ones: not judged.
+SHARED_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 103: 232448,
+                120: 101376}
 KERNELS = ("_row_split_kernel", "_contraction_split_kernel")
 
 
@@ -55,8 +58,10 @@ class Compiled:
     mma: str | None = None  # "wgmma" (Hopper warpgroup MMA), "mma.sync" (pre-Hopper tensor cores) or "none"
     tma_loads: bool | None = None  # TMA bulk tensor copies in the PTX
     async_copies: bool | None = None  # cp.async (pipelined pointer loads) in the PTX
-    registers: int | None = None  # per thread, from the cubin (cuobjdump -res-usage)
-    local_bytes: int | None = None  # register spills to local memory (0: none)
+    registers: int | None = None  # per thread (ptxas -v)
+    stack_bytes: int | None = None  # per-thread stack frame (ptxas -v); spills live there
+    spill_store_bytes: int | None = None  # register spill stores (ptxas -v; 0: none)
+    spill_load_bytes: int | None = None
 
 
 def _module():
@@ -163,43 +168,50 @@ def compile_launch(launch: Launch, cfg, capability: int = 90) -> Compiled:
     backend = make_backend(target)
     short, _ = variant_key(launch, cfg, capability)
     t0 = time.perf_counter()
+    log = io.StringIO()
     try:
         jit_fn, (options, signature, constexprs, attrs) = _bind(launch, cfg, backend)
-        kernel = triton.compile(ASTSource(jit_fn, signature, constexprs, attrs), target=target,
-                                options=options.__dict__)
+        with _ptxas_log(log):
+            kernel = triton.compile(ASTSource(jit_fn, signature, constexprs, attrs), target=target,
+                                    options=options.__dict__)
     except Exception as e:  # noqa: BLE001 - reported per variant
         return Compiled(launch.kernel, short, config_name(cfg), None, None, None, time.perf_counter() - t0,
                         f"{type(e).__name__}: {str(e)[-2000:]}")
     shared = int(kernel.metadata.shared)
-    limit = SHARED_LIMIT.get(capability // 10)
+    limit = SHARED_LIMIT.get(capability)
     return Compiled(launch.kernel, short, config_name(cfg), shared, None if limit is None else shared <= limit,
-                    len(kernel.asm["cubin"]), time.perf_counter() - t0, **code_facts(kernel.asm["ptx"],
-                                                                                     kernel.asm["cubin"]))
+                    len(kernel.asm["cubin"]), time.perf_counter() - t0,
+                    **code_facts(kernel.asm["ptx"], log.getvalue()))
 
 
-def code_facts(ptx: str, cubin: bytes) -> dict:
-    """What the compiled code uses: MMA instruction family, TMA, cp.async; registers and spills
-    (from ``cuobjdump -res-usage``, when Triton's bundled cuobjdump runs here)."""
+@contextlib.contextmanager
+def _ptxas_log(sink: io.StringIO):
+    """Triton runs ``ptxas -v`` and prints its log when ``knobs.nvidia.dump_ptxas_log`` is set:
+    collect it in ``sink`` (nothing is printed when the kernel comes from Triton's cache)."""
+    from triton import knobs
+
+    before = knobs.nvidia.dump_ptxas_log
+    knobs.nvidia.dump_ptxas_log = True
+    try:
+        with contextlib.redirect_stdout(sink):
+            yield
+    finally:
+        knobs.nvidia.dump_ptxas_log = before
+
+
+def code_facts(ptx: str, ptxas_log: str) -> dict:
+    """What the compiled code uses: MMA instruction family, TMA, cp.async (from the PTX); registers,
+    stack frame and register spills (from the ``ptxas -v`` log; None when there is none)."""
     import re
-    import subprocess
-    import tempfile
 
     facts = {"mma": "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "none",
              "tma_loads": "cp.async.bulk.tensor" in ptx,
              "async_copies": bool(re.search(r"cp\.async\.c[ag]\.", ptx))}
-    try:
-        from triton import knobs
-
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(cubin)
-            f.flush()
-            usage = subprocess.run([knobs.nvidia.cuobjdump.path, "-res-usage", f.name], capture_output=True,
-                                   text=True, timeout=60).stdout
-        regs, local = re.search(r"REG:(\d+)", usage), re.search(r"LOCAL:(\d+)", usage)
-        if regs and local:
-            facts.update(registers=int(regs.group(1)), local_bytes=int(local.group(1)))
-    except (OSError, subprocess.SubprocessError, AttributeError):
-        pass  # facts from the PTX only
+    regs = re.search(r"Used (\d+) registers", ptxas_log)
+    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", ptxas_log)
+    if regs and frame:
+        facts.update(registers=int(regs.group(1)), stack_bytes=int(frame.group(1)),
+                     spill_store_bytes=int(frame.group(2)), spill_load_bytes=int(frame.group(3)))
     return facts
 
 
