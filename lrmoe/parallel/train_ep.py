@@ -258,9 +258,12 @@ class DistributedRunner:
                 if 0 not in dist.get_process_group_ranks(ep.group):
                     continue  # not rank 0's EP group: a data-parallel copy of the same weights
                 local = t.contiguous()
-                parts = [torch.empty_like(local) for _ in range(ep.world_size)] if out is not None else None
+                full = parts = None
+                if out is not None:  # one buffer for the whole layer; the gather writes its shards in place
+                    full = local.new_empty((ep.world_size * local.shape[0], *local.shape[1:]))
+                    parts = list(full.chunk(ep.world_size))  # contiguous views along dim 0
                 dist.gather(local, parts, dst=0, group=ep.group)  # dst: a global rank
-                t = torch.cat(parts) if parts is not None else t
+                t = full if full is not None else t
             if out is not None:
                 out[key] = t.detach().cpu()
         return out
