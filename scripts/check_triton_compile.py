@@ -118,6 +118,9 @@ def main(argv=None) -> int:
                     help="every config for the bf16 layer launches of the first size with TMA (what training "
                          "runs on Hopper), only the last (smallest tile) config for the others")
     ap.add_argument("--out", default="results/bench", help="folder for triton_compile_sm<arch>.json ('' = no file)")
+    ap.add_argument("--check-binder", action="store_true",
+                    help="also run JITFunction.run in warmup mode (stand-in driver, nothing compiled) for every "
+                         "compiled launch and config and require the same specialisation and options")
     ap.add_argument("--reuse-cache", action="store_true",
                     help="use Triton's usual kernel cache (default: a fresh one, so that every kernel is compiled)")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads for the (tiny) captured layer runs")
@@ -134,7 +137,7 @@ def main(argv=None) -> int:
         finally:
             torch.backends.cuda.matmul.allow_tf32 = False
 
-    rows, failed = [], []
+    rows, failed, binder_checks = [], [], []
     for arch in a.arch:
         seen = set()
         todo = []
@@ -149,6 +152,13 @@ def main(argv=None) -> int:
             first_shape = f"layer {next(iter(SHAPES))} "
             if a.quick and not (label == "bf16" and source.startswith(first_shape) and source.endswith("tma=True")):
                 cfgs = cfgs[-1:]  # the last config of each list: the smallest output tile
+            if a.check_binder:  # the compile check must bind as JITFunction.run does
+                for cfg in cfgs:
+                    diff = aot.binder_mismatches(launch, cfg, arch)
+                    binder_checks.append(not diff)
+                    if diff:
+                        failed.append(f"sm_{arch} {label} {source} {launch.kernel} {aot.config_name(cfg)}: binding "
+                                      f"differs from JITFunction.run: {'; '.join(diff)[:1500]}")
             results = [aot.compile_launch(launch, cfg, arch) for cfg in cfgs]
             for res in results:
                 rows.append({"arch": arch, "dtype": label, "source": source, **res.__dict__})
@@ -179,7 +189,8 @@ def main(argv=None) -> int:
         path = write_json(Path(a.out) / f"triton_compile_{'_'.join(f'sm{x}' for x in a.arch)}.json",
                           {"benchmark": "triton_compile", "config": vars(a), "environment": environment(torch.device("cpu")),
                            "autotune_configs": {k: [aot.config_name(c) for c in aot.configs(k)] for k in aot.KERNELS},
-                           "rows": rows, "failed": failed, "table": table})
+                           "rows": rows, "failed": failed, "binder_checks": len(binder_checks),
+                           "binder_matches": sum(binder_checks), "table": table})
         print(f"wrote {path}")
     print(table)
     for f in failed:

@@ -51,10 +51,18 @@ def compiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("aot")
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(out / "cache")}
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_triton_compile.py"), "--quick", "--dtype", "bf16",
-                        "--arch", "90", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                        "--check-binder", "--arch", "90", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return json.loads((out / "triton_compile_sm90.json").read_text())
+
+
+def test_the_check_binds_exactly_as_a_real_launch(compiled):
+    """Every compiled (launch, config) was also run through JITFunction.run in warmup mode (the
+    path of a real launch, with a stand-in driver for sm_90): same options, signature, constexprs
+    and attributes. Guards the check against drifting from Triton's own launch path."""
+    assert compiled["binder_checks"] == len(compiled["rows"]) > 0
+    assert compiled["binder_matches"] == compiled["binder_checks"]
 
 
 def test_every_bf16_launch_compiles_to_a_cubin(compiled):

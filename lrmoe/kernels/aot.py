@@ -215,6 +215,62 @@ def code_facts(ptx: str, ptxas_log: str) -> dict:
     return facts
 
 
+def jit_run_specialisation(launch: Launch, cfg, capability: int = 90):
+    """What ``JITFunction.run`` itself would compile for ``launch`` under ``cfg`` on
+    ``sm_<capability>``: (options, signature, constexprs, attrs). Obtained by running it in warmup
+    mode, as the autotuner would after applying ``cfg`` (its pre-hook included), with a stand-in
+    driver for the target and the compile step intercepted (nothing is compiled). Checks that
+    :func:`compile_launch` binds exactly as a real launch does (``tests/test_triton_compile.py``)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    class _TargetOnly:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", capability, 32)
+
+    jit_fn = getattr(_module(), launch.kernel).fn
+    seen = []
+
+    def intercept(key, signature, device, constexprs, options, attrs, warmup):
+        seen.append((options, signature, constexprs, attrs))
+        return None
+
+    kwargs = {**launch.kwargs, **cfg.all_kwargs()}
+    if cfg.pre_hook is not None:
+        cfg.pre_hook({**dict(zip(jit_fn.arg_names, launch.args)), **kwargs})
+    previous = getattr(driver, "_active", None)  # None here without a GPU driver
+    driver.set_active(_TargetOnly())
+    jit_fn._do_compile = intercept  # instance attribute: shadows the method for this call only
+    try:
+        jit_fn.device_caches.clear()  # binders built for the stand-in target
+        jit_fn.run(*launch.args, grid=(1,), warmup=True, **kwargs)
+    finally:
+        del jit_fn._do_compile
+        jit_fn.device_caches.clear()
+        driver._active = previous  # reset_active() would build the default driver, which needs a GPU
+    if len(seen) != 1:
+        raise RuntimeError(f"JITFunction.run compiled {len(seen)} times for one warmup launch")
+    return seen[0]
+
+
+def binder_mismatches(launch: Launch, cfg, capability: int = 90) -> list[str]:
+    """Where :func:`compile_launch`'s binding differs from :func:`jit_run_specialisation` (empty: none)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    real = jit_run_specialisation(launch, cfg, capability)
+    _, mine = _bind(launch, cfg, make_backend(GPUTarget("cuda", capability, 32)))
+    names = ("options", "signature", "constexprs", "attrs")
+    return [f"{n}: JITFunction.run {a!r} vs compile check {b!r}" for n, a, b in zip(names, real, mine)
+            if (a.__dict__ if n == "options" else repr(a)) != (b.__dict__ if n == "options" else repr(b))]
+
+
 def unique_launches(launches: list[Launch], capability: int = 90) -> list[Launch]:
     """``launches`` with repeats of the same specialisation removed (keyed under the first config)."""
     seen, out = set(), []
