@@ -145,7 +145,7 @@ def in_turns(fn, concurrency: int = 1, *, timeout_s: float = 3600.0):
         for turn in range(turns):
             if local_rank // c == turn:
                 result = fn()
-            dist.barrier(group=group)
+            _host_wait(group, timeout_s)
     finally:
         dist.destroy_process_group(group)
     return result
@@ -168,7 +168,14 @@ def host_barrier(timeout_s: float = 3600.0) -> None:
     if group is None:
         group = _HOST_GROUPS[timeout_s] = dist.new_group(backend="gloo",
                                                          timeout=datetime.timedelta(seconds=timeout_s))
-    dist.barrier(group=group)
+    _host_wait(group, timeout_s)
+
+
+def _host_wait(group, timeout_s: float) -> None:
+    """Barrier of a gloo group on the host: ``monitored_barrier`` (gloo only) exchanges CPU tensors, so it
+    does not depend on the device the group may inherit from an NCCL default group's ``device_id``,
+    and on a timeout it names the ranks that did not arrive."""
+    dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
 
 
 _HOST_GROUPS: dict[float, object] = {}
