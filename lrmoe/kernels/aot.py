@@ -271,17 +271,6 @@ def binder_mismatches(launch: Launch, cfg, capability: int = 90) -> list[str]:
             if (a.__dict__ if n == "options" else repr(a)) != (b.__dict__ if n == "options" else repr(b))]
 
 
-def unique_launches(launches: list[Launch], capability: int = 90) -> list[Launch]:
-    """``launches`` with repeats of the same specialisation removed (keyed under the first config)."""
-    seen, out = set(), []
-    for launch in launches:
-        key = variant_key(launch, configs(launch.kernel)[0], capability)[1]
-        if key not in seen:
-            seen.add(key)
-            out.append(launch)
-    return out
-
-
 def run_captured(fn: Callable[[], object], tma: bool) -> list[Launch]:
     """Run ``fn`` under :func:`capture` and return its launches."""
     with capture(tma) as launches:
