@@ -889,8 +889,10 @@ def _train(cfg: TrainConfig, out: Path, runner, progress: bool, stop_after: int 
     # Ctrl-C (one process, main thread): the step in flight finishes (its metrics row included),
     # then a checkpoint is written at that step boundary, so a resumed run equals an uninterrupted
     # one. A second Ctrl-C stops at once, without a checkpoint (the last one written stands).
+    # A process that ignores SIGINT (started in the background, under nohup) keeps ignoring it.
     stop_requested, prev_sigint, at_boundary = [], None, False
-    if not runner.distributed and threading.current_thread() is threading.main_thread():
+    if (not runner.distributed and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN):
         def _on_sigint(signum, frame):
             stop_requested.append(signum)
             signal.signal(signal.SIGINT, prev_sigint)
