@@ -287,12 +287,18 @@ def run_nccl_cpu_inputs(rank, G, auditor):
     return {"result": out, "collectives": len(auditor.log) - before}
 
 
-def ep_worker(rank, G, port, out_dir):
+def _audited_group(rank, G, port) -> "Auditor":
+    """A gloo group of G ranks on this machine, with the auditor around every collective."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=G,
                             timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
     auditor = Auditor(torch.device("cpu"))
     auditor.install()
+    return auditor
+
+
+def ep_worker(rank, G, port, out_dir):
+    auditor = _audited_group(rank, G, port)
     res = {}
     try:
         for case in EP_CASES:
@@ -347,11 +353,7 @@ def test_cases_ran(ep_results):
 
 
 def mismatch_worker(rank, G, port, out_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=G,
-                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
-    auditor = Auditor(torch.device("cpu"))
-    auditor.install()
+    auditor = _audited_group(rank, G, port)
     auditor.scenario = "size-mismatch"
     out = run_size_mismatch(rank, G)
     auditor.uninstall()
