@@ -14,6 +14,7 @@ Backward, given g = dL/dy:
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -50,8 +51,6 @@ def autocast_inputs(hidden_TH: torch.Tensor, gate_up_proj: torch.Tensor, down_pr
 
 def autocast_off(device: torch.device):
     """A context with autocast disabled for ``device``'s type (a no-op context where it is off)."""
-    import contextlib
-
     return torch.autocast(device.type, enabled=False) if autocast_dtype(device) is not None else contextlib.nullcontext()
 
 

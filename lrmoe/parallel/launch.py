@@ -139,15 +139,12 @@ def in_turns(fn, concurrency: int = 1, *, timeout_s: float = 3600.0):
     turns = -(-local_world // c)
     if turns == 1:
         return fn()
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    group = _host_group(timeout_s)
     result = None
-    try:
-        for turn in range(turns):
-            if local_rank // c == turn:
-                result = fn()
-            _host_wait(group, timeout_s)
-    finally:
-        dist.destroy_process_group(group)
+    for turn in range(turns):
+        if local_rank // c == turn:
+            result = fn()
+        _host_wait(group, timeout_s)
     return result
 
 
@@ -162,13 +159,18 @@ def host_barrier(timeout_s: float = 3600.0) -> None:
     holds no GPU collective in flight."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    # One group per timeout, created on first use (every rank calls this at the same points, so
-    # every rank creates the same groups in the same order) and destroyed by shutdown().
+    _host_wait(_host_group(timeout_s), timeout_s)
+
+
+def _host_group(timeout_s: float):
+    """The gloo group of every rank for host-side waits with timeout ``timeout_s``: one per timeout,
+    created on first use (every rank calls the helpers above at the same points, so every rank
+    creates the same groups in the same order) and destroyed by :func:`shutdown`."""
     group = _HOST_GROUPS.get(timeout_s)
     if group is None:
         group = _HOST_GROUPS[timeout_s] = dist.new_group(backend="gloo",
                                                          timeout=datetime.timedelta(seconds=timeout_s))
-    _host_wait(group, timeout_s)
+    return group
 
 
 def _host_wait(group, timeout_s: float) -> None:
