@@ -464,11 +464,12 @@ def test_host_barrier_waits_past_the_collective_timeout(launch_results):
 
 
 def test_host_barrier_single_process_is_a_no_op():
-    from lrmoe.parallel.launch import host_barrier
+    from lrmoe.parallel import launch
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
-    host_barrier(timeout_s=1)
+    launch.host_barrier(timeout_s=1)
+    assert not dist.is_initialized() and launch._HOST_GROUPS == {}  # no group made, none cached
 
 
 # ----------------------------------------------------------------------------- in-process guards
