@@ -23,9 +23,9 @@ from torch.autograd.function import once_differentiable
 
 from .kernels.grouped_gemm import grouped_mm, resolve_backend
 from .kernels.routing import count_by_value, kept_positions, select_top_quota, sort_pairs_by_expert, sum_rows_by_token
-from .policy import BackwardPolicy, BackwardRecord
+from .policy import BackwardPolicy, BackwardRecord, PolicySnapshot, check_policy
 from .quota import quota_for, retained_total
-from .scorers import ScoreInputs, get_scorer, row_norm2
+from .scorers import ScoreInputs, row_norm2
 
 
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
@@ -123,21 +123,23 @@ def buffer_bytes(N: int, H: int, I: int, itemsize: int) -> int:
     return N * (H + H + 2 * I + I + I + 2 * I + H) * itemsize
 
 
-def score_pairs(policy: BackwardPolicy, alpha_TK, g_TH, phi_norm2_TK, hidden_TH, top_k_index_TK,
+def score_pairs(policy: PolicySnapshot, alpha_TK, g_TH, phi_norm2_TK, hidden_TH, top_k_index_TK,
                 g_norm2_T: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 scores [T, K] by the policy's scorer; a token whose gradient holds a NaN/Inf scores
-    +inf whatever the scorer (e.g. random), so it is kept and counted, never silently dropped."""
+    """float32 scores [T, K] by the call's scorer. A pair whose gradient rank-one term holds a NaN/Inf
+    (a NaN/Inf in the token's incoming gradient, its routing weight or its ||phi||^2) scores +inf
+    whatever the scorer (e.g. random), so it is kept and counted, never silently dropped."""
     T, K = top_k_index_TK.shape
     g_norm2_T = row_norm2(g_TH) if g_norm2_T is None else g_norm2_T
     inputs = ScoreInputs(alpha_TK, g_TH, phi_norm2_TK, hidden_TH, top_k_index_TK,
-                         generator=policy.generator(g_TH.device), grad_norm2_T=g_norm2_T)
-    raw = get_scorer(policy.scorer)(inputs, **policy.scorer_kwargs)
+                         generator=policy.generator, grad_norm2_T=g_norm2_T)
+    raw = policy.scorer_fn(inputs, **policy.scorer_kwargs)
     if not isinstance(raw, torch.Tensor) or raw.shape not in ((T, K), (T * K,)) or raw.is_complex():
         got = f"{raw.dtype} of shape {tuple(raw.shape)}" if isinstance(raw, torch.Tensor) else type(raw).__name__
         raise ValueError(f"scorer {policy.scorer!r} returned {got}; a scorer must return real scores of shape "
                          f"[T, K] = [{T}, {K}] (or [T*K] in pair order)")
     scores_TK = raw.float().reshape(T, K)
-    return scores_TK.masked_fill(~torch.isfinite(g_norm2_T).unsqueeze(1), float("inf"))
+    finite_TK = torch.isfinite(g_norm2_T).unsqueeze(1) & torch.isfinite(alpha_TK) & torch.isfinite(phi_norm2_TK)
+    return scores_TK.masked_fill(~finite_TK, float("inf"))
 
 
 class Stopwatch:
@@ -288,6 +290,7 @@ class _SelectiveExperts(torch.autograd.Function):
                 nonfinite = (~torch.isfinite(g_norm2_T)).sum() * K
             record.fill(demand=demand_E, quota=quota_E, kept=kept_E, kept_mask=keep_P.view(T, K),
                         scores=scores_TK, nonfinite=nonfinite, mode=ctx.mode, drop_ratio=ctx.drop_ratio,
+                        scorer=None if scores_TK is None else policy.scorer,
                         buffer_bytes=buffer_bytes(G.shape[0], H, I2 // 2, G.element_size()), timings=watch.times)
         return grad_hidden, grad_alpha, dW_gu, dW_d, None, None, None
 
@@ -305,8 +308,9 @@ def lrmoe_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_w
     Inside ``torch.autocast``, float32 ``hidden_TH`` and weights are cast to the autocast dtype
     first (:func:`autocast_inputs`; y is then in that dtype); the function itself runs with
     autocast off."""
-    policy = (policy if policy is not None else BackwardPolicy()).validate()
+    policy = check_policy(policy)
     _check_inputs(hidden_TH, top_k_index_TK, top_k_weights_TK, gate_up_proj, down_proj)
+    policy = policy.snapshot(hidden_TH.device)
     hidden_TH, gate_up_proj, down_proj = autocast_inputs(hidden_TH, gate_up_proj, down_proj)
     with autocast_off(hidden_TH.device):
         return _SelectiveExperts.apply(hidden_TH, top_k_weights_TK, gate_up_proj, down_proj,

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .experts import lrmoe_experts
-from .policy import BackwardPolicy, BackwardRecord
+from .policy import BackwardPolicy, BackwardRecord, check_policy
 from .router import load_balancing_loss, make_router
 
 
@@ -23,8 +23,11 @@ class LRMoEExperts(nn.Module):
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        self.policy = policy if policy is not None else BackwardPolicy()
+        self.policy = check_policy(policy)
         self.last_backward: BackwardRecord | None = None
+
+    def __getstate__(self):  # copies and pickles carry the configuration, not the last call's record
+        return {**super().__getstate__(), "last_backward": None}
 
     def _on_backward(self, record: BackwardRecord) -> None:
         self.last_backward = record
@@ -78,6 +81,9 @@ class LRMoELayer(nn.Module):
         self.last_top_k_index: torch.Tensor | None = None
         self.reset_parameters(init_std)
 
+    def __getstate__(self):  # the last call's router outputs belong to its autograd graph, not to copies
+        return {**super().__getstate__(), "last_router_logits": None, "last_top_k_index": None}
+
     @torch.no_grad()
     def reset_parameters(self, std: float | None = None) -> None:
         """Normal init with ``std`` (default 1/sqrt(fan_in) per projection, like nn.Linear's scale)."""
@@ -96,9 +102,9 @@ class LRMoELayer(nn.Module):
 
     @policy.setter
     def policy(self, policy: BackwardPolicy) -> None:
-        if not isinstance(policy, BackwardPolicy):
-            raise ValueError(f"policy must be a BackwardPolicy, got {type(policy).__name__}")
-        self.experts.policy = policy
+        if policy is None:
+            raise ValueError("policy must be a BackwardPolicy (lrmoe.BackwardPolicy), got None")
+        self.experts.policy = check_policy(policy)
 
     @property
     def last_backward(self) -> BackwardRecord | None:
@@ -106,7 +112,7 @@ class LRMoELayer(nn.Module):
         return self.experts.last_backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.hidden_size:
+        if x.dim() == 0 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"input's last dimension must be hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
         x_TH = x.reshape(-1, self.hidden_size)
         logits, weights, index = self.gate(x_TH)

@@ -19,7 +19,8 @@ class BackwardPolicy:
     """How an MoE layer's expert backward is pruned.
 
     drop_ratio: fraction rho of routed pairs dropped from the expert backward, in [0, 1);
-        exactly ``round((1 - rho) * P)`` pairs are kept per layer call (P = tokens x top_k).
+        in modes ``compact`` and ``mask`` exactly ``round((1 - rho) * P)`` pairs are kept per
+        layer call (P = tokens x top_k); mode ``full`` keeps all P whatever rho.
     scorer: registered pair scorer (``lrmoe.scorers.scorers()``): lrm, lrm_input, grad_norm,
         abs_grad, random.
     quota: registered quota policy (``lrmoe.quota.quota_policies()``): waterfill, proportional.
@@ -77,7 +78,17 @@ class BackwardPolicy:
     @property
     def selects(self) -> bool:
         """True when the backward scores and selects pairs (mode compact/mask with rho > 0)."""
-        return self.mode != "full" and self.drop_ratio > 0
+        return _selects(self.mode, self.drop_ratio)
+
+    def snapshot(self, device: torch.device) -> "PolicySnapshot":
+        """The validated settings as one layer call sees them in forward; its backward uses the same
+        (a policy changed between a forward and its backward does not change that backward)."""
+        self.validate()
+        return PolicySnapshot(
+            drop_ratio=self.drop_ratio, scorer=self.scorer, quota=self.quota, mode=self.mode,
+            scorer_kwargs=dict(self.scorer_kwargs), quota_kwargs=dict(self.quota_kwargs), backend=self.backend,
+            fuse_gather=self.fuse_gather, profile=self.profile, scorer_fn=get_scorer(self.scorer),
+            generator=self.generator(device) if self.selects else None)
 
     def generator(self, device: torch.device) -> torch.Generator | None:
         """The seeded generator for ``device`` (created on first use, one stream per device and
@@ -92,6 +103,41 @@ class BackwardPolicy:
         if key not in self._generators:
             self._generators[key] = torch.Generator(device=device).manual_seed(self.seed)
         return self._generators[key]
+
+
+@dataclass(frozen=True)
+class PolicySnapshot:
+    """A :class:`BackwardPolicy`'s settings fixed for one layer call (:meth:`BackwardPolicy.snapshot`):
+    the same fields, plus the scorer function and the random scorer's generator for the call's device."""
+
+    drop_ratio: float
+    scorer: str
+    quota: str
+    mode: str
+    scorer_kwargs: dict
+    quota_kwargs: dict
+    backend: str
+    fuse_gather: bool | None
+    profile: bool
+    scorer_fn: Callable
+    generator: torch.Generator | None
+
+    @property
+    def selects(self) -> bool:
+        return _selects(self.mode, self.drop_ratio)
+
+
+def check_policy(policy: "BackwardPolicy | None") -> "BackwardPolicy":
+    """``policy`` itself (``BackwardPolicy()`` for None); ValueError for anything else."""
+    if policy is None:
+        return BackwardPolicy()
+    if not isinstance(policy, BackwardPolicy):
+        raise ValueError(f"policy must be a BackwardPolicy (lrmoe.BackwardPolicy; None for the default), got {policy!r}")
+    return policy
+
+
+def _selects(mode: str, drop_ratio: float) -> bool:
+    return mode != "full" and drop_ratio > 0
 
 
 _KWARGS_OK: set = set()  # (function identity, options) pairs already checked: validate() runs on every use
@@ -123,8 +169,9 @@ class BackwardRecord:
 
     demand [E]: routed pairs per expert; quota [E]: retention quota fixed in forward;
     kept [E]: pairs kept in backward; kept_mask [T, K] bool; scores [T, K] float32 (None when the
-    policy does not score, i.e. mode ``full`` or drop_ratio 0); nonfinite: number of pairs whose
-    score (or, without scoring, whose incoming gradient) is NaN/Inf; buffer_bytes: bytes of the
+    policy does not score, i.e. mode ``full`` or drop_ratio 0); scorer: the scorer's name (None
+    without scoring); mode, drop_ratio: the policy's, as the forward saw them; nonfinite: number of
+    pairs whose score (or, without scoring, whose incoming gradient) is NaN/Inf; buffer_bytes: bytes of the
     backward execution buffers (gathered rows, intermediate and output gradients of the GEMMs);
     timings: seconds per backward phase when the policy has ``profile=True``: router_grad,
     score_select, compact (kept positions and the gathers of kept rows; zero without
@@ -136,10 +183,14 @@ class BackwardRecord:
         self.demand = self.quota = self.kept = self.kept_mask = self.scores = None
         self.mode: str | None = None
         self.drop_ratio: float | None = None
+        self.scorer: str | None = None
         self.buffer_bytes = 0
         self.timings: dict[str, float] = {}
         self._nonfinite: torch.Tensor | int = 0
         self._on_fill = on_fill
+
+    def __getstate__(self):  # the fill callback belongs to the module that made the record
+        return {**self.__dict__, "_on_fill": None}
 
     @property
     def nonfinite(self) -> int:

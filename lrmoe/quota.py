@@ -107,8 +107,8 @@ def waterfill_quota(demand_E: torch.Tensor, n_keep: int, min_keep: int = 0) -> t
     ``min_keep`` is an optional per-expert floor: every expert keeps at least min(d_e, min_keep)
     (when n_keep allows it; otherwise the floor itself is shared by waterfilling)."""
     d = demand_E.to(torch.int64)
-    if min_keep < 0:
-        raise ValueError(f"min_keep must be >= 0, got {min_keep}")
+    if isinstance(min_keep, bool) or not isinstance(min_keep, numbers.Integral) or min_keep < 0:
+        raise ValueError(f"min_keep must be an int >= 0, got {min_keep!r}")
     if min_keep > 0:
         floor_E = torch.clamp(d, max=min_keep)
         fsum = floor_E.sum()
@@ -154,7 +154,16 @@ def quota_for(demand_E: torch.Tensor, n_keep: int, policy: str = "waterfill", *,
     d = demand_E.to(torch.int64)
     if drop_ratio is not None and _accepts_drop_ratio(fn):
         kwargs["drop_ratio"] = drop_ratio
-    q = fn(d, n_keep, **kwargs).to(torch.int64)
+    q = fn(d, n_keep, **kwargs)
+    if not isinstance(q, torch.Tensor):  # numpy arrays and lists are accepted
+        try:
+            q = torch.as_tensor(np.asarray(q), device=d.device)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"quota policy {policy!r} must return a tensor of per-expert counts, "
+                             f"got {type(q).__name__}") from None
+    if q.is_floating_point() or q.is_complex() or q.dtype == torch.bool:
+        raise ValueError(f"quota policy {policy!r} must return integer quotas, got dtype {q.dtype}")
+    q = q.to(torch.int64)
     if d.device.type == "cpu":
         _check_quota(d, q, n_keep, policy)
     return q

@@ -30,12 +30,11 @@ class Registry:
         return sorted(self._fns)
 
     def get(self, name: str) -> Callable:
-        if name not in self._fns and self._loader is not None:
+        if isinstance(name, str) and name not in self._fns and self._loader is not None:
             self._loader()
-        try:
-            return self._fns[name]
-        except (KeyError, TypeError):
-            raise ValueError(f"unknown {self.kind} {name!r}; registered: {sorted(self._fns)}") from None
+        if not isinstance(name, str) or name not in self._fns:
+            raise ValueError(f"unknown {self.kind} {name!r}; registered: {sorted(self._fns)}")
+        return self._fns[name]
 
     def __contains__(self, name: str) -> bool:
         return name in self.names()

@@ -29,7 +29,9 @@ class SoftmaxTopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
 
     def forward(self, x_TH: torch.Tensor):
-        logits = F.linear(x_TH, self.weight)
+        # x in the router's dtype (a float32 router on bf16 activations), as the experts cast
+        # theirs; under autocast F.linear then casts both to the autocast dtype, as before.
+        logits = F.linear(x_TH.to(self.weight.dtype), self.weight)
         probs = torch.softmax(logits, dim=-1, dtype=_compute_dtype(logits))
         top_value, top_index = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -45,6 +47,9 @@ class SigmoidTopKRouter(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool = True,
                  routed_scaling_factor: float = 1.0, n_group: int = 1, topk_group: int = 1):
         super().__init__()
+        for name, v in (("n_group", n_group), ("topk_group", topk_group)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
         if num_experts % n_group or not (1 <= topk_group <= n_group):
             raise ValueError(f"n_group must divide num_experts and 1 <= topk_group <= n_group, got "
                              f"num_experts={num_experts}, n_group={n_group}, topk_group={topk_group}")
@@ -55,6 +60,16 @@ class SigmoidTopKRouter(nn.Module):
         self.routed_scaling_factor, self.n_group, self.topk_group = routed_scaling_factor, n_group, topk_group
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
+
+    def _apply(self, fn, recurse=True):
+        # The bias accumulates steps of size ``rate`` (1e-3): in bf16 they round away once |b| >=
+        # 0.25, so it stays in float32 when the module is cast to a 16-bit dtype (transformers
+        # keeps GLM's bias in float32 too); moving devices and float64 apply as usual.
+        super()._apply(fn, recurse)
+        b = self.e_score_correction_bias
+        if b.dtype in (torch.float16, torch.bfloat16):
+            self.e_score_correction_bias = b.float()
+        return self
 
     def forward(self, x_TH: torch.Tensor):
         dt = _compute_dtype(x_TH)
@@ -103,8 +118,12 @@ def make_router(kind: str, hidden_size: int, num_experts: int, top_k: int, **kwa
     if kind == "softmax":
         unknown = set(kwargs) - {"norm_topk_prob"}
         if unknown:
-            raise ValueError(f"softmax router does not take {sorted(unknown)}")
+            raise ValueError(f"softmax router does not take {sorted(unknown)}; its option: norm_topk_prob")
         return SoftmaxTopKRouter(hidden_size, num_experts, top_k, **kwargs)
     if kind == "sigmoid":
+        unknown = set(kwargs) - {"norm_topk_prob", "routed_scaling_factor", "n_group", "topk_group"}
+        if unknown:
+            raise ValueError(f"sigmoid router does not take {sorted(unknown)}; its options: norm_topk_prob, "
+                             f"routed_scaling_factor, n_group, topk_group")
         return SigmoidTopKRouter(hidden_size, num_experts, top_k, **kwargs)
     raise ValueError(f"unknown router {kind!r}; accepted: {list(ROUTERS)}")

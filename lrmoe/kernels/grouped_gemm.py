@@ -115,10 +115,20 @@ def grouped_mm_loop(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor
 
 
 def _aligned(t: torch.Tensor) -> bool:
-    """F.grouped_mm needs 16-byte aligned strides and base pointer (one unit stride)."""
+    """Whether F.grouped_mm accepts ``t``'s layout: a 16-byte aligned base pointer, and the matrix
+    (last two dims) row- or column-major with its leading stride a multiple of 16 bytes — decided
+    as torch decides it (a [M, 1] matrix with strides (1, 1) counts as row-major with leading stride
+    1, which torch rejects), batch strides 16-byte multiples."""
     item = t.element_size()
-    strides_ok = all(s == 1 or (s * item) % 16 == 0 for s in t.stride()) and 1 in t.stride()[-2:]
-    return strides_ok and t.data_ptr() % 16 == 0
+    *batch, s_r, s_c = t.stride()
+    rows, cols = t.shape[-2:]
+    if s_c == 1 and s_r >= max(1, cols):
+        lead = s_r
+    elif s_r == 1 and s_c >= max(1, rows):
+        lead = s_c
+    else:
+        return False
+    return (lead * item) % 16 == 0 and all((s * item) % 16 == 0 for s in batch) and t.data_ptr() % 16 == 0
 
 
 def torch_backend_ok(mat_a: torch.Tensor, mat_b: torch.Tensor) -> bool:

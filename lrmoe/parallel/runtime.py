@@ -52,7 +52,7 @@ from ..experts import (Stopwatch, acc_dtype, autocast_inputs, autocast_off, buff
                        expert_backward, score_pairs, swiglu)
 from ..kernels.grouped_gemm import grouped_mm
 from ..kernels.routing import select_top_quota, sort_pairs_by_expert, sum_rows_by_token
-from ..policy import BackwardPolicy, BackwardRecord
+from ..policy import BackwardPolicy, BackwardRecord, check_policy
 from .memory import plan_memory
 from .plan import Cluster, ModelDims, Plan, expert_sum, get_placement, largest_remainder, plan_placement
 
@@ -559,6 +559,7 @@ class _EPExperts(torch.autograd.Function):
                         quota=torch.as_tensor(lay.local_quota_E, device=dev),
                         kept=torch.bincount(idx_TK.reshape(-1)[keep_P], minlength=E), kept_mask=kept_mask,
                         scores=scores_TK, nonfinite=nonfinite, mode=policy.mode, drop_ratio=policy.drop_ratio,
+                        scorer=None if scores_TK is None else policy.scorer,
                         buffer_bytes=buffer_bytes(G_k.shape[0], gate_up.shape[2], I, G_k.element_size()),
                         timings={**{f"fwd_{k}": v for k, v in call.forward_timings.items()}, **watch.times},
                         comm_bytes=dict(call.comm), plan=call.plan, rank=ep.rank, world_size=ep.world_size)
@@ -617,8 +618,8 @@ def _merge_records(target: BackwardRecord, parts: list[BackwardRecord]) -> None:
     scores = cat("scores") if all(p.scores is not None for p in parts) else None
     target.fill(demand=sum(p.demand for p in parts), quota=sum(p.quota for p in parts), kept=sum(p.kept for p in parts),
                 kept_mask=cat("kept_mask"), scores=scores, nonfinite=sum(p.nonfinite for p in parts),
-                mode=parts[0].mode, drop_ratio=parts[0].drop_ratio, buffer_bytes=max(p.buffer_bytes for p in parts),
-                timings={}, comm_bytes=comm, plan=[p.plan for p in parts], rank=parts[0].rank,
+                mode=parts[0].mode, drop_ratio=parts[0].drop_ratio, scorer=parts[0].scorer,
+                buffer_bytes=max(p.buffer_bytes for p in parts), timings={}, comm_bytes=comm, plan=[p.plan for p in parts], rank=parts[0].rank,
                 world_size=parts[0].world_size)
 
 
@@ -634,8 +635,9 @@ def ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weig
     (per expert, this rank's pairs), kept_mask, scores, plus ``comm_bytes`` (bytes this rank sent
     to other ranks per all-to-all: fwd_weights, fwd_dispatch, fwd_combine, fwd_phi,
     bwd_grad_rows, bwd_grad_index, bwd_dx, bwd_weight_grads), ``plan``, ``rank``, ``world_size``."""
-    policy = policy if policy is not None else BackwardPolicy()
+    policy = check_policy(policy)
     _check_local_inputs(hidden_TH, top_k_index_TK, top_k_weights_TK, gate_up_proj, down_proj, ep)
+    policy = policy.snapshot(hidden_TH.device)  # what this call's forward and backward use
     # under torch.autocast: bf16/fp16 rows and weights, like lrmoe_experts (then autocast off inside)
     hidden_TH, gate_up_proj, down_proj = autocast_inputs(hidden_TH, gate_up_proj, down_proj)
     idx = top_k_index_TK.to(torch.int64)
@@ -711,7 +713,7 @@ class ExpertParallelExperts(nn.Module):
         self.num_experts = ep.num_experts
         self.gate_up_proj = _mark(nn.Parameter(torch.empty(El, 2 * intermediate_size, hidden_size)))
         self.down_proj = _mark(nn.Parameter(torch.empty(El, hidden_size, intermediate_size)))
-        self.policy = policy if policy is not None else BackwardPolicy()
+        self.policy = check_policy(policy)
         self.last_backward: BackwardRecord | None = None
 
     @classmethod
