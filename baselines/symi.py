@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 
@@ -49,18 +50,27 @@ def symi_slot_counts(popularity_E, total_slots: int) -> np.ndarray:
         raise ValueError(f"SYMI needs at least one slot per expert: G*S = {total_slots} < E = {E}")
     if pop.sum() <= 0:
         pop = np.ones(E)
-    goal = pop * total_slots / pop.sum()
-    cnt = np.floor(np.maximum(goal, 1.0)).astype(np.int64)
-    diff = cnt - goal
+    # Exact arithmetic: ties that are exact (e.g. three goals of k + 1/3) must go to the lower
+    # index, which float rounding of goal - floor(goal) would decide instead. With diff scaled by
+    # den = sum(pop), goal = num / den and diff = cnt - goal are integers (popularity is counted in
+    # pairs; other values are made integers by their exact common denominator).
+    fr = [Fraction(float(p)) for p in pop]
+    scale = math.lcm(*(f.denominator for f in fr))
+    ints = [int(f * scale) for f in fr]
+    den = sum(ints)
+    num = np.array([p * total_slots for p in ints], dtype=object)
+    cnt = np.array([max(int(n) // den, 1) for n in num], dtype=object)
+    diff = cnt * den - num  # den * (cnt - goal), exact Python ints
     while cnt.sum() > total_slots:
-        i = int(np.argmax(np.where(cnt > 1, diff, -np.inf)))
+        above = np.flatnonzero(cnt > 1)
+        i = int(above[np.argmax(diff[above])])  # first maximum: ties to the lower index
         cnt[i] -= 1
-        diff[i] -= 1
+        diff[i] -= den
     while cnt.sum() < total_slots:
         i = int(np.argmin(diff))
         cnt[i] += 1
-        diff[i] += 1
-    return cnt
+        diff[i] += den
+    return cnt.astype(np.int64)
 
 
 def symi_instances(slot_counts_E, slots_per_rank: int) -> list[Instance]:

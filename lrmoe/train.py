@@ -173,7 +173,7 @@ class TrainConfig:
                      "ultraep_greedy, lrmoe",
         "ep_budget_mib": "per-rank memory budget of each MoE layer for the placement planner, in MiB (default: unlimited)",
         "ep_options": "placement planner option KEY=VALUE (JSON values; repeatable), e.g. min_tokens=64, "
-                      "capacity_factor=1.0, slots_per_rank=4, fallback=split_microbatch:2",
+                      "capacity_factor=1.0, slots_per_rank=4, fallback=split",
         "load_concurrency": "with ep > 1: how many ranks of a node build or load the full model at the same "
                             "time before sharding its experts (each holds a full fp32 copy meanwhile, about "
                             "4 bytes x parameters; 0: all at once)",

@@ -52,9 +52,10 @@ def expected_memory(p, dims=DIMS, optimizer_on_gpu=True):
         if optimizer_on_gpu and not inst.is_replica:
             per_param += dims.optimizer_bytes_per_param
         out[inst.rank] += P * per_param
-        out[inst.rank] += p.send_GN[:, n].sum() * (2 * H + 2 * I) * b
+        out[inst.rank] += p.send_GN[:, n].sum() * (H + 2 * I) * b  # expert side: X, GU per received row
         out[inst.rank] += p.backward_quota_GN[:, n].sum() * (3 * H + 6 * I) * b
     out += 2 * H * b * (p.send_GN.sum(1) + p.backward_quota_GN.sum(1))
+    out += H * b * p.demand_GE.sum(1)  # token side: the combined outputs O of every routed pair
     return out
 
 
@@ -161,7 +162,8 @@ def test_memory_terms_by_hand():
     params = 3 * 16 * 8
     np.testing.assert_array_equal(p.memory.base_G, [params * 18, params * 18])
     np.testing.assert_array_equal(p.memory.dispatch_G, [2 * 16 * 2 * (4 + 4), 2 * 16 * 2 * (2 + 2)])
-    np.testing.assert_array_equal(p.memory.saved_G, [(32 + 16) * 2 * 3, (32 + 16) * 2 * 3])
+    # expert side X + GU (H + 2I) per received row (3 each); token side O (H) per own pair (4 and 2)
+    np.testing.assert_array_equal(p.memory.saved_G, [(16 + 16) * 2 * 3 + 16 * 2 * 4, (16 + 16) * 2 * 3 + 16 * 2 * 2])
     np.testing.assert_array_equal(p.memory.backward_G, [buffer_bytes(3, 16, 8, 2)] * 2)
     assert instance_bytes(dims, replica=True) == params * 6
     assert p.memory.summary()["total"] == p.memory.peak == int(p.memory.total_G.max())

@@ -185,11 +185,11 @@ def test_cli_ep_flags():
     ap = argparse.ArgumentParser()
     register_cli(ap.add_subparsers(dest="command"))
     a = ap.parse_args(["train", "--out", "x", "--ep", "8", "--placement", "ultraep", "--ep-budget-mib", "512",
-                       "--ep-option", "min_tokens=64", "--ep-option", "fallback=split_microbatch:2",
+                       "--ep-option", "min_tokens=64", "--ep-option", "fallback=split",
                        "--micro-batch", "32", "--load-concurrency", "2"])
     c = config_from_args(a).validate()
     assert (c.ep, c.placement, c.ep_budget_mib, c.load_concurrency) == (8, "ultraep", 512.0, 2)
-    assert c.ep_options == {"min_tokens": 64, "fallback": "split_microbatch:2"}
+    assert c.ep_options == {"min_tokens": 64, "fallback": "split"}
 
 
 def test_paper_commands_rebuild_each_run_config():

@@ -2,8 +2,8 @@
 
 Given this step's exact demand d_{r,e}, the planner decides together
 
-* the backward retention quota q_e of every expert (``lrmoe.quota.compute_quota``; the largest
-  total n_keep <= round((1 - drop_ratio) * P) whose plan fits the memory budget), and
+* the backward retention quota q_e of every expert (``lrmoe.quota.compute_quota``; the total
+  n_keep <= round((1 - drop_ratio) * P) is bisected down until the plan fits the memory budget), and
 * the replicas and the routing of every expert's pairs to its instances.
 
 What it optimises. With B = ``backward_weight`` (2: a backward row costs two GEMMs of the
@@ -25,8 +25,10 @@ demand therefore drives replication: a hot expert whose quota was trimmed (water
 hottest first) weighs less and may no longer need a replica. The search is UltraEP-style: the
 smallest integer threshold tau for which a greedy (ranks by descending cost, their experts by
 descending weighted load, each chunk to the in-domain rank with the most slack that has a free
-slot and memory headroom) brings every rank to cost <= tau; the slack left is then used to move
-rows off ranks still over the memory budget. Pairs are routed locality-first
+slot and memory headroom; a replica carries at least ``min_rows`` rows) brings every rank to
+cost <= tau; the slack left is then used to move rows off ranks still over the memory budget. If
+the plan is still over the budget, tau is raised to the smallest threshold whose plan fits (more
+slack, more rows moved off those ranks) before any quota shrinks. Pairs are routed locality-first
 (:func:`lrmoe.parallel.plan.locality_split`), each instance receiving exactly its row capacity;
 backward quotas per (source, instance) are proportional to the pairs sent.
 
@@ -94,7 +96,10 @@ def _greedy(tau, cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, dom
                     break
                 t = int(np.argmax(np.where(ok, slack, -1.0)))
                 want = max(math.ceil(need / w - _EPS), math.ceil((mem[r] - budget) / rb) if mem[r] > budget else 0)
-                x = min(want, math.floor(slack[t] / w + _EPS), int(d_E[e] - moved[e]))
+                # A replica carries at least min_rows (it may shed more than needed, never past tau):
+                # capping it at the need instead would fail at a larger tau where a smaller one
+                # succeeded, and the threshold search would miss far smaller thresholds.
+                x = min(max(want, min_rows), math.floor(slack[t] / w + _EPS), int(d_E[e] - moved[e]))
                 if math.isfinite(budget):
                     x = min(x, math.floor((budget - mem[t] - rep_bytes) / rb))
                 if x < min_rows:
@@ -208,17 +213,49 @@ def _plan_with_quota(d_GE, q_E, cluster: Cluster, dims: ModelDims, budget, *, fr
     # Exactly rounded sums (not a BLAS matmul, whose summation order can depend on the CPU):
     # every rank must compute the same plan.
     kept_sent_G = np.array([math.fsum(r) for r in d_GE * frac_E]) if G else np.zeros(0)
-    mem_G = (base_G + row["dispatch"] * (d_GE.sum(1) + kept_sent_G)
+    mem_G = (base_G + row["dispatch"] * (d_GE.sum(1) + kept_sent_G) + row["output"] * d_GE.sum(1)
              + np.bincount(owner_E, weights=d_E * row_bytes_E, minlength=G))
     cost_G = np.bincount(owner_E, weights=L_E, minlength=G)
     args = (cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, cluster.domain_G,
             instance_bytes(dims, replica=True), budget, min_rows)
-    lo, hi = math.floor(cost_G.sum() / G), math.ceil(cost_G.max(initial=0.0))
-    while lo < hi:  # smallest integer threshold the greedy meets (hi always: no replica needed)
+    top = math.ceil(cost_G.max(initial=0.0))
+    lo, hi = math.floor(cost_G.sum() / G), top
+    while lo < hi:  # smallest integer threshold the greedy meets (top always: no replica needed)
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if _greedy(mid, *args) is not None else (mid + 1, hi)
-    replicas = _greedy(hi, *args)
+    info = {**info, "threshold_cost": hi}
+    plan = _assemble(d_GE, q_E, _greedy(hi, *args), hi, cluster, dims, budget, backward_weight, info)
+    if plan.fits or not math.isfinite(budget):
+        return plan
+    # Over the memory budget at the cost-optimal threshold: a higher threshold leaves more slack
+    # to move rows off the ranks over the budget (pass 2 of the greedy). Smallest fitting
+    # threshold above it: doubling steps, then bisection (every plan taken fits).
+    def fitting(tau):
+        reps = _greedy(tau, *args)
+        p = None if reps is None else _assemble(d_GE, q_E, reps, tau, cluster, dims, budget, backward_weight, info)
+        return p if p is not None and p.fits else None
 
+    bad, step, found = hi, 1, None
+    while bad < top and found is None:
+        tau = min(bad + step, top)
+        found = fitting(tau)
+        if found is None:
+            bad, step = tau, 2 * step
+    if found is None:
+        return plan
+    good = found.info["threshold"]
+    while good - bad > 1:
+        mid = (bad + good) // 2
+        p = fitting(mid)
+        bad, good, found = (bad, mid, p) if p is not None else (mid, good, found)
+    return found
+
+
+def _assemble(d_GE, q_E, replicas, tau, cluster: Cluster, dims: ModelDims, budget, backward_weight, info):
+    """The plan of the greedy's replicas at threshold ``tau``: instances, locality-first routing and
+    per-(source, instance) backward quotas."""
+    G, E = d_GE.shape
+    d_E = d_GE.sum(0)
     hosts_E = [[] for _ in range(E)]
     rows_E = [[int(d)] for d in d_E]
     for e, t, x in replicas:
@@ -229,12 +266,12 @@ def _plan_with_quota(d_GE, q_E, cluster: Cluster, dims: ModelDims, budget, *, fr
     rank_N = np.array([i.rank for i in instances])
     send = np.zeros((G, len(instances)), dtype=np.int64)
     quota = np.zeros_like(send)
-    kept_E = _instance_quotas(q_E, rows_E, [rank_N[cols] for cols in cols_E], G, backward_weight, hi)
+    kept_E = _instance_quotas(q_E, rows_E, [rank_N[cols] for cols in cols_E], G, backward_weight, tau)
     for e, cols in enumerate(cols_E):
         send[:, cols] = locality_split(d_GE[:, e], rank_N[cols], rows_E[e])
         for n, b in zip(cols, kept_E[e]):
             quota[:, n] = largest_remainder(int(b), send[:, n])
-    info = {**info, "threshold": hi, "quota_E": q_E, "n_keep": int(q_E.sum()), "backward_weight": backward_weight,
+    info = {**info, "threshold": tau, "quota_E": q_E, "n_keep": int(q_E.sum()), "backward_weight": backward_weight,
             "drop_ratio_effective": 1.0 - int(q_E.sum()) / max(int(d_E.sum()), 1)}
     return make_plan("lrmoe", d_GE, cluster, dims, budget, instances, send, quota, info=info)
 

@@ -22,9 +22,11 @@ Three components per rank r, as in the paper's memory table (T4):
    * dispatch/combine (token side: all-to-all send + receive buffers, forward and backward;
      the local chunk is part of the buffer, as with ``all_to_all_single``)
        dispatch_r = b * H * (2 * sent_r + 2 * kept_sent_r)
-   * saved activations (expert side, per routed row, as saved by ``lrmoe.experts``:
-     gathered input X (H), gate/up pre-activation GU (2I), output O (H))
-       saved_r = b * (2H + 2I) * recv_r
+   * saved activations, as the EP runtime saves them: on the expert side, per received row, the
+     gathered input X (H) and the gate/up pre-activation GU (2I); on the token side the combined
+     expert outputs O (H) of each of the rank's own routed pairs (P_r = sum_e demand[r, e], the
+     [T, K, H] buffer the exact router gradient needs; zero rows for pairs dropped over capacity)
+       saved_r = b * (H + 2I) * recv_r + b * H * P_r
    * backward execution buffers (expert side, per retained row: alpha*g (H), X (H), GU (2I),
      h (I), dh (I), dGU (2I), dX (H); equals ``lrmoe.experts.buffer_bytes``)
        backward_r = b * (3H + 6I) * kept_recv_r
@@ -91,13 +93,15 @@ def token_row_bytes(dims) -> dict[str, int]:
     """Bytes per row of each token-buffer term (see the module docstring)."""
     H, I, b = dims.hidden, dims.intermediate, dims.dtype_bytes
     return {"dispatch": 2 * H * b,  # per sent or kept-sent row
-            "saved": (2 * H + 2 * I) * b,  # per received row
+            "saved": (H + 2 * I) * b,  # per received row (expert side: X, GU)
+            "output": H * b,  # per routed pair of the rank's own tokens (token side: O)
             "backward": (3 * H + 6 * I) * b}  # per retained received row
 
 
 def plan_memory(dims, num_ranks: int, rank_N, is_replica_N, send_GN, quota_GN, *,
-                optimizer_on_gpu: bool = True) -> MemoryBreakdown:
-    """Memory of every rank for instances on ``rank_N`` with the given send and backward quotas."""
+                optimizer_on_gpu: bool = True, pairs_G=None) -> MemoryBreakdown:
+    """Memory of every rank for instances on ``rank_N`` with the given send and backward quotas.
+    ``pairs_G``: each rank's routed pairs P_r (default: the pairs it sends, i.e. no capacity drops)."""
     rank_N = np.asarray(rank_N, dtype=np.int64)
     rep_N = np.asarray(is_replica_N, dtype=bool)
     send_GN = np.asarray(send_GN, dtype=np.int64)
@@ -107,11 +111,12 @@ def plan_memory(dims, num_ranks: int, rank_N, is_replica_N, send_GN, quota_GN, *
     n_rep_G = np.bincount(rank_N[rep_N], minlength=G)
     recv_G = np.bincount(rank_N, weights=send_GN.sum(0), minlength=G).astype(np.int64)
     kept_recv_G = np.bincount(rank_N, weights=quota_GN.sum(0), minlength=G).astype(np.int64)
+    pairs_G = send_GN.sum(1) if pairs_G is None else np.asarray(pairs_G, dtype=np.int64)
     row = token_row_bytes(dims)
     return MemoryBreakdown(
         base_G=n_owned_G * instance_bytes(dims, replica=False, optimizer_on_gpu=optimizer_on_gpu),
         replicas_G=n_rep_G * instance_bytes(dims, replica=True),
         dispatch_G=row["dispatch"] * (send_GN.sum(1) + quota_GN.sum(1)),
-        saved_G=row["saved"] * recv_G,
+        saved_G=row["saved"] * recv_G + row["output"] * pairs_G,
         backward_G=row["backward"] * kept_recv_G,
     )

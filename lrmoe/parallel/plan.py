@@ -393,7 +393,7 @@ def make_plan(policy: str, demand_GE, cluster: Cluster, dims: ModelDims, budget_
     quota_GN = send_GN if backward_quota_GN is None else np.asarray(backward_quota_GN, dtype=np.int64)
     ex = np.array([i.expert for i in instances], dtype=np.int64)
     mem = plan_memory(dims, cluster.num_ranks, [i.rank for i in instances], [i.is_replica for i in instances],
-                      send_GN, quota_GN, optimizer_on_gpu=optimizer_on_gpu)
+                      send_GN, quota_GN, optimizer_on_gpu=optimizer_on_gpu, pairs_G=np.asarray(demand_GE).sum(1))
     plan = Plan(policy, demand_GE, instances, send_GN, quota_GN, demand_GE - expert_sum(send_GN, ex, dims.num_experts),
                 mem, budget_bytes, over_budget=mem.peak > budget_bytes, info=dict(info or {}), state=state)
     return plan.check()

@@ -216,7 +216,7 @@ def selection_quotas(plan: Plan, policy: BackwardPolicy, dims: ModelDims) -> Pla
         for n, b in zip(cols, largest_remainder(int(q_E[e]), rows_N[cols])):
             quota[:, n] = largest_remainder(int(b), plan.send_GN[:, n])
     mem = plan_memory(dims, plan.demand_GE.shape[0], plan.rank_N, plan.is_replica_N, plan.send_GN, quota,
-                      optimizer_on_gpu=plan.policy != "symi")
+                      optimizer_on_gpu=plan.policy != "symi", pairs_G=plan.demand_GE.sum(1))
     info = {**plan.info, "quota_E": q_E, "n_keep": int(q_E.sum()), "selection": "runtime quotas over a baseline placement"}
     return dataclasses.replace(plan, backward_quota_GN=quota, memory=mem, info=info).check()
 
