@@ -114,14 +114,12 @@ def load_alpaca_records(source: str | os.PathLike | None = None) -> list[dict]:
 
     `source` is a local .json/.jsonl file, a directory (all its *.json and *.jsonl files, sorted
     by name) or a hub dataset id; default: env `LRMOE_ALPACA`, else `tatsu-lab/alpaca`.
-    Local files are read with `datasets.load_dataset("json", ...)`; its Arrow cache honours
-    `HF_HOME` / `HF_DATASETS_CACHE` at call time.
+    Local files are read with the standard library (a JSON array of records, or JSON lines), so
+    they need no `datasets` package (machines without network often lack it); hub ids go through
+    `datasets.load_dataset`, whose Arrow cache honours `HF_HOME` / `HF_DATASETS_CACHE` at call time.
     """
-    from datasets import load_dataset
-
     source = str(source or os.environ.get("LRMOE_ALPACA") or DEFAULT_HUB_ID)
     path = Path(source).expanduser()
-    cache_dir = _datasets_cache_dir()
 
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".jsonl"))
@@ -136,7 +134,9 @@ def load_alpaca_records(source: str | os.PathLike | None = None) -> list[dict]:
         if path.suffix in (".json", ".jsonl") or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", source):
             raise FileNotFoundError(f"no such file or directory: {source!r}; {_ACCEPTED}")
         try:
-            rows = load_dataset(source, split="train", cache_dir=cache_dir)
+            from datasets import load_dataset
+
+            rows = load_dataset(source, split="train", cache_dir=_datasets_cache_dir())
         except Exception as e:  # offline, unknown id, ...: say what was tried and what is accepted
             raise FileNotFoundError(
                 f"{source!r} is not a local file or directory and loading it from the hub failed "
@@ -146,9 +146,26 @@ def load_alpaca_records(source: str | os.PathLike | None = None) -> list[dict]:
 
     records = []
     for f in files:
-        rows = load_dataset("json", data_files=str(f), split="train", cache_dir=cache_dir)
-        records += _validate(rows, str(f))
+        records += _validate(_read_json_records(f), str(f))
     return records
+
+
+def _read_json_records(path: Path) -> list:
+    """The records of a local .json/.jsonl file: a JSON array of objects, or one object per line."""
+    text = path.read_text(encoding="utf-8")
+    try:  # either form in either suffix, as datasets' json loader reads them
+        rows = json.loads(text) if text.strip() else []
+        if isinstance(rows, dict):
+            rows = [rows]
+    except json.JSONDecodeError:
+        try:
+            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: neither a JSON array nor JSON lines ({e}); {_ACCEPTED}") from None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"{path}: expected a JSON array of record objects (or JSON lines, one object per line); "
+                         f"{_ACCEPTED}")
+    return rows
 
 
 def format_prompt(record: dict) -> tuple[str, str]:

@@ -4,6 +4,7 @@ import json
 import os
 import random
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -73,7 +74,21 @@ def test_json_jsonl_and_directory_load(tmp_path, tiny_records):
     assert data.load_alpaca_records(tmp_path / "a.json") == want[:9]
     assert data.load_alpaca_records(str(tmp_path / "b.jsonl")) == want[9:]
     assert data.load_alpaca_records(tmp_path) == want  # directory: files sorted by name
-    assert os.listdir(tmp_path / "hf")  # the Arrow cache went to $HF_HOME, not the user's cache
+    assert not (tmp_path / "hf").exists()  # local files are read directly: no Arrow cache anywhere
+
+
+def test_local_files_load_without_the_datasets_package(tmp_path, tiny_records, monkeypatch):
+    """The lent GPU machine has no `datasets` (and no network): local files must not need it."""
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` now raises ImportError
+    recs = random.sample(tiny_records, 5)
+    (tmp_path / "a.json").write_text(json.dumps(recs))
+    assert [r["output"] for r in data.load_alpaca_records(tmp_path / "a.json")] == [r["output"] for r in recs]
+    (tmp_path / "b.jsonl").write_text("{not json\n")
+    with pytest.raises(ValueError, match="neither a JSON array nor JSON lines"):
+        data.load_alpaca_records(tmp_path / "b.jsonl")
+    (tmp_path / "c.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="expected a JSON array of record objects"):
+        data.load_alpaca_records(tmp_path / "c.json")
 
 
 def test_env_var_source(monkeypatch, shared):
