@@ -218,6 +218,29 @@ def error_worker(rank, G, port, out_dir):
         out["oom"] = "no error"
     except EPOutOfMemoryError as e:
         out["oom"] = f"EPOutOfMemoryError: {e}"
+    # 2b. LRMoE at C0 under memory pressure: nothing is scored, so every row is kept and the plan
+    # must not count on shrunken quotas (it used to: fallback shrink_quota, kept > quota, budget exceeded).
+    ep_free = ExpertParallel(E, None, "lrmoe")
+    ExpertParallelExperts.from_full(gu, dn, ep_free, BackwardPolicy(0.0))(x[lo:hi], idx[lo:hi], w[lo:hi])
+    mem = ep_free.last_plan.memory
+    static = int((mem.base_G + mem.replicas_G).max())
+    ep_b = ExpertParallel(E, None, "lrmoe", budget_bytes=static + (mem.peak - static) // 3)
+    m = ExpertParallelExperts.from_full(gu, dn, ep_b, BackwardPolicy(0.0, profile=True))
+    (m(x[lo:hi], idx[lo:hi], w[lo:hi]) * dy[lo:hi]).sum().backward()
+    plans = ep_b.last_plan if isinstance(ep_b.last_plan, list) else [ep_b.last_plan]
+    out["c0_budget"] = dict(fallbacks=[p.fallback for p in plans], pieces=len(plans),
+                            quota_is_send=all(bool((p.backward_quota_GN == p.send_GN).all()) for p in plans),
+                            fits=all(p.memory.peak <= ep_b.budget_bytes for p in plans),
+                            kept_is_quota=m.last_backward.kept.tolist() == m.last_backward.quota.tolist(),
+                            timings=sorted(m.last_backward.timings))  # summed over the pieces
+    # 2c. expert weights of different dtypes: a ValueError before any collective
+    m = ExpertParallelExperts.from_full(gu, dn, ExpertParallel(E, None, "fixed"))
+    m.down_proj.data = m.down_proj.data.float()
+    try:
+        m(x[lo:hi], idx[lo:hi], w[lo:hi])
+        out["dtypes"] = "no error"
+    except ValueError as e:
+        out["dtypes"] = f"ValueError: {e}"
     # 3. rank 1 never calls the layer: rank 0 must get EPCommunicationError within the PG timeout.
     m = ExpertParallelExperts.from_full(gu, dn, ExpertParallel(E, None, "fixed"))
     if rank == 0:
@@ -470,7 +493,15 @@ def test_failures_raise_not_hang(tmp_path):
         assert r["mismatch"].startswith("ValueError") and "top_k: rank 0 has 2, rank 1 has 1" in r["mismatch"]
         assert r["oom"].startswith("EPOutOfMemoryError") and "budget" in r["oom"]
         assert r["quota_kwargs"].startswith("ValueError") and "quota/scorer options" in r["quota_kwargs"]
+        assert "('min_keep', 0)" in r["quota_kwargs"] and "('min_keep', 2)" in r["quota_kwargs"]  # values, not CRCs
         assert r["planner_options"].startswith("ValueError") and "planner options" in r["planner_options"]
+        assert "('min_tokens', 1)" in r["planner_options"] and "('min_tokens', 2)" in r["planner_options"]
+        assert "fallback 'oom' could not make it fit" in r["oom"]
+        c0 = r["c0_budget"]
+        assert "shrink_quota" not in c0["fallbacks"] and c0["quota_is_send"] and c0["kept_is_quota"], c0
+        assert c0["fits"] and c0["pieces"] > 1, c0  # the microbatch is split instead
+        assert {"gemm", "router_grad", "fwd_dispatch"} <= set(c0["timings"]), c0
+        assert "must share a dtype" in r["dtypes"]
     assert r0["missing_peer"].startswith("EPCommunicationError"), r0["missing_peer"]
     assert "all_gather (demand)" in r0["missing_peer"] and "rank 0 of 2" in r0["missing_peer"]
     assert r0["missing_peer_s"] < 4.5

@@ -162,6 +162,8 @@ class ExpertParallel:
         opts = dict(self.options)
         if self.placement == "lrmoe":
             opts.setdefault("drop_ratio", policy.drop_ratio if policy.selects else 0.0)
+            if not policy.selects:  # nothing is scored, so every row is kept: quotas cannot shrink
+                opts["max_drop_ratio"] = 0.0
             opts.setdefault("quota_policy", policy.quota)
             opts.setdefault("quota_options", dict(policy.quota_kwargs))
         return opts
@@ -251,15 +253,25 @@ _HEADER_NAMES = ("num_experts", "hidden", "intermediate", "top_k", "experts_per_
                  "quota/scorer options (crc)", "planner options, budget, fast domains, byte sizes (crc)")
 
 
-def _check_headers(ep: ExpertParallel, rows: np.ndarray, h: int) -> None:
+def _check_headers(ep: ExpertParallel, rows: np.ndarray, h: int, readable: list | None = None) -> None:
+    """ValueError on every rank when the gathered headers differ; ``readable`` (this rank's values
+    behind the header's checksums) is then gathered too, on that error path only, so the message
+    names the differing values rather than their checksums."""
     bad = [r for r in range(ep.world_size) if not np.array_equal(rows[r, :h], rows[0, :h])]
     if bad:
-        diff = [f"{n}: rank 0 has {rows[0, j]}, rank {r} has {rows[r, j]}" for r in bad
+        shown = rows[:, :h].tolist()
+        if readable is not None and ep.world_size > 1:  # every rank sees the mismatch: all take part
+            gathered = [None] * ep.world_size
+            _collective(ep, "all_gather_object (differing configuration)",
+                        lambda: dist.all_gather_object(gathered, list(readable), group=ep.group))
+            shown = gathered
+        diff = [f"{n}: rank 0 has {shown[0][j]!s}, rank {r} has {shown[r][j]!s}" for r in bad
                 for j, n in enumerate(_HEADER_NAMES) if rows[r, j] != rows[0, j]]
         raise ValueError(f"expert-parallel layer configured differently across ranks ({'; '.join(diff)})")
 
 
-def _gather_demand(ep: ExpertParallel, demand_E: torch.Tensor, header: list[int]) -> np.ndarray:
+def _gather_demand(ep: ExpertParallel, demand_E: torch.Tensor, header: list[int],
+                   readable: list | None = None) -> np.ndarray:
     """all_gather of [header, demand]; raises ValueError on every rank if the headers differ.
 
     The message has len(header) + E entries. NCCL does not check that every rank sends as many
@@ -275,13 +287,13 @@ def _gather_demand(ep: ExpertParallel, demand_E: torch.Tensor, header: list[int]
             hparts = [torch.empty_like(head) for _ in range(ep.world_size)]
             _collective(ep, "all_gather (demand) of the layer's sizes",
                         lambda: dist.all_gather(hparts, head, group=ep.group))
-            _check_headers(ep, torch.stack(hparts).cpu().numpy(), len(header))
+            _check_headers(ep, torch.stack(hparts).cpu().numpy(), len(header), readable)
             ep._sizes_checked = True
         parts = [torch.empty_like(mine) for _ in range(ep.world_size)]
         _collective(ep, "all_gather (demand)", lambda: dist.all_gather(parts, mine, group=ep.group))
         rows = torch.stack(parts).cpu().numpy()
     h = len(header)
-    _check_headers(ep, rows, h)
+    _check_headers(ep, rows, h, readable)
     return rows[:, h:]
 
 
@@ -594,6 +606,8 @@ def _check_devices(hidden_TH, idx_TK, w_TK, gate_up, down, ep: ExpertParallel):
 def _check_local_inputs(hidden_TH, idx_TK, w_TK, gate_up, down, ep: ExpertParallel):
     if hidden_TH.dim() != 2:
         raise ValueError(f"hidden_TH must be [T, H], got shape {tuple(hidden_TH.shape)}")
+    if gate_up.dtype != down.dtype:
+        raise ValueError(f"gate_up_proj and down_proj must share a dtype, got {gate_up.dtype} and {down.dtype}")
     _check_devices(hidden_TH, idx_TK, w_TK, gate_up, down, ep)
     T, H = hidden_TH.shape
     El = ep.experts_per_rank
@@ -616,10 +630,14 @@ def _merge_records(target: BackwardRecord, parts: list[BackwardRecord]) -> None:
         for k, v in p.comm_bytes.items():
             comm[k] = comm.get(k, 0) + v
     scores = cat("scores") if all(p.scores is not None for p in parts) else None
+    timings: dict[str, float] = {}  # seconds per phase, summed over the pieces
+    for p in parts:
+        for k, v in p.timings.items():
+            timings[k] = timings.get(k, 0.0) + v
     target.fill(demand=sum(p.demand for p in parts), quota=sum(p.quota for p in parts), kept=sum(p.kept for p in parts),
                 kept_mask=cat("kept_mask"), scores=scores, nonfinite=sum(p.nonfinite for p in parts),
                 mode=parts[0].mode, drop_ratio=parts[0].drop_ratio, scorer=parts[0].scorer,
-                buffer_bytes=max(p.buffer_bytes for p in parts), timings={}, comm_bytes=comm, plan=[p.plan for p in parts], rank=parts[0].rank,
+                buffer_bytes=max(p.buffer_bytes for p in parts), timings=timings, comm_bytes=comm, plan=[p.plan for p in parts], rank=parts[0].rank,
                 world_size=parts[0].world_size)
 
 
@@ -647,7 +665,10 @@ def ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weig
               round(policy.drop_ratio * 1e9), _crc(policy.scorer), _crc(policy.quota), ep.cluster.slots_per_rank,
               _crc(repr((sorted(policy.quota_kwargs.items()), sorted(policy.scorer_kwargs.items())))),
               _crc(ep.planner_signature())]
-    demand_GE = _gather_demand(ep, torch.bincount(idx.reshape(-1), minlength=E), header)
+    readable = [E, H, I, K, ep.experts_per_rank, gate_up_proj.dtype, ep.placement, policy.mode, policy.drop_ratio,
+                policy.scorer, policy.quota, ep.cluster.slots_per_rank,
+                (sorted(policy.quota_kwargs.items()), sorted(policy.scorer_kwargs.items())), ep.planner_signature()]
+    demand_GE = _gather_demand(ep, torch.bincount(idx.reshape(-1), minlength=E), header, readable)
     dims = ep.dims(H, I, K, gate_up_proj.element_size())
     prev_state = ep.state
     ep.plan_seconds = 0.0
@@ -659,8 +680,10 @@ def ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weig
         m = plan.memory.summary()
         raise EPOutOfMemoryError(
             f"placement {ep.placement!r}: the plan needs {m['total']} bytes on its largest rank (base {m['base']}, "
-            f"replicas {m['replicas']}, tokens {m['tokens']}) but the budget is {ep.budget_bytes} bytes and the "
-            f"policy's fallback is 'oom'; raise budget_bytes or use smaller microbatches")
+            f"replicas {m['replicas']}, tokens {m['tokens']}) but the budget is {ep.budget_bytes} bytes, and its "
+            f"fallback {ep.options.get('fallback', 'split')!r} could not make it fit"
+            f"{' (the static part alone is over the budget)' if m['base'] + m['replicas'] > ep.budget_bytes else ''}; "
+            f"raise budget_bytes or use smaller microbatches")
     if plan.num_splits == 1:
         ep.last_plan = plan
         return _run(hidden_TH, idx, top_k_weights_TK, gate_up_proj, down_proj, ep, plan, policy, record)
@@ -674,7 +697,7 @@ def ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weig
     for j in range(n):
         sl = slice(bounds[j], bounds[j + 1])
         i_j = idx[sl]
-        d_j = _gather_demand(ep, torch.bincount(i_j.reshape(-1), minlength=E), header)
+        d_j = _gather_demand(ep, torch.bincount(i_j.reshape(-1), minlength=E), header, readable)
         p_j = ep.plan(d_j, dims, policy, state=prev_state, piece=True)
         plans.append(p_j)
         rec_j = None
