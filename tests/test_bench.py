@@ -26,7 +26,19 @@ def test_layer_bench_smoke(tmp_path):
     c20 = next(r for r in d["rows"] if r["variant"] == "C20_compact")
     assert c20["kept_fraction"] == 410 / 512  # round(0.8 * 512) of the smoke shape's 512 pairs
     assert abs(c20["buffer_vs_C0"] - c20["kept_fraction"]) < 1e-9  # buffers proportional to kept rows
-    assert len(d["targets"]) == 5 and all(t.startswith(("[PASS]", "[MISS]")) for t in d["targets"])
+    assert len(d["targets"]) == 6 and all(t.startswith(("[PASS]", "[MISS]")) for t in d["targets"])
+    # LRMoE C0 was checked against the transformers block (output and every gradient) before timing
+    errs = c20["c0_vs_hf_rel_err"]
+    assert c20["valid"] and {"y", "x_grad", "gate.weight", "experts.gate_up_proj", "experts.down_proj"} <= set(errs)
+    assert max(errs.values()) <= 1e-4
+
+
+def test_layer_bench_does_not_judge_a_wrong_layer(tmp_path, monkeypatch):
+    """If LRMoE's output disagreed with the transformers block, no speed target is judged."""
+    real = layer.check_against_hf
+    monkeypatch.setattr(layer, "check_against_hf", lambda *a: {**real(*a), "y": 0.5})
+    d = layer.main(["--shape", "smoke", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path)])
+    assert len(d["targets"]) == 1 and d["targets"][0].startswith("[MISS]") and "not judged" in d["targets"][0]
 
 
 def test_gemm_scaling_smoke(tmp_path, capsys):
@@ -39,3 +51,27 @@ def test_gemm_scaling_smoke(tmp_path, capsys):
     assert all(r["total_vs_full"] == 1.0 for r in full)
     assert [r["rows_per_expert"] for r in d["rows"][:3]] == [64, 51, 32]  # smoke: T*K = 512 pairs, E = 8
     assert "| dh / full |" in capsys.readouterr().out
+    # every backend was checked against the per-group loop before timing
+    assert d["invalid"] == [] and all(r["valid"] and r["max_rel_err"] <= d["tolerance"] for r in d["rows"])
+
+
+def test_grouped_gemm_bench_checks_results_before_timing(tmp_path, monkeypatch):
+    """Every timed GEMM is first compared with F.grouped_mm; a wrong kernel is reported, and its
+    pass is a MISS whatever its speed. (The Triton kernels are replaced by F.grouped_mm here, exact
+    or off by one, so no interpreter run is needed.)"""
+    import torch.nn.functional as F
+
+    bench = _script("bench_grouped_gemm")
+
+    def exact(a, b, offs, **kw):
+        return F.grouped_mm(a, b, offs=offs)
+
+    monkeypatch.setattr(bench.tgg, "grouped_mm", exact)
+    good = bench.main(["--smoke", "--sections", "gemm", "--reps", "2", "--out", str(tmp_path)])
+    assert good["invalid"] == [] and all(r["valid"] and r["max_rel_err"] == 0 for r in good["gemm"])
+    assert all(len(r["triton_samples_ms"]) == good["reps"] >= 1 for r in good["gemm"])  # samples kept, not medians only
+    monkeypatch.setattr(bench.tgg, "grouped_mm", lambda a, b, offs, **kw: exact(a, b, offs) * 1.1)
+    bad = bench.main(["--smoke", "--sections", "gemm", "--reps", "1", "--out", str(tmp_path)])
+    assert len(bad["invalid"]) == len(bad["gemm"]) > 0
+    lines = bench.targets(bad["passes"], peak=None)
+    assert lines and all(line.startswith("[MISS]") and "differs" in line for line in lines)

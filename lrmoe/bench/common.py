@@ -32,6 +32,10 @@ def median(xs) -> float:
 
 
 def git_revision() -> str:
+    """The checkout's short revision (+dirty when code outside results/ is modified); without a git
+    checkout (e.g. a copied working tree on a lent machine), env ``LRMOE_GIT_REV`` if set."""
+    if os.environ.get("LRMOE_GIT_REV") and not (Path(__file__).resolve().parents[2] / ".git").exists():
+        return os.environ["LRMOE_GIT_REV"]
     try:
         root = Path(__file__).resolve().parents[2]
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)

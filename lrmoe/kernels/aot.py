@@ -131,10 +131,11 @@ def _bind(launch: Launch, cfg, backend):
     kwargs = {**launch.kwargs, **cfg.all_kwargs()}
     if cfg.pre_hook is not None:
         cfg.pre_hook({**dict(zip(jit_fn.arg_names, launch.args)), **kwargs})
-    # what JITFunction.run adds before binding
+    # what JITFunction.run adds before binding (the knobs this Triton has: 3.6 lacks fpsan_*)
     kwargs["debug"] = kwargs.get("debug", jit_fn.debug) or knobs.runtime.debug
-    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-    kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    for knob in ("instrumentation_mode", "fpsan_homomorphic_casts"):
+        if hasattr(knobs.compilation, knob):
+            kwargs[knob] = getattr(knobs.compilation, knob)
     binder = create_function_from_signature(jit_fn.signature, jit_fn.params, backend)
     bound_args, specialization, options = binder(*launch.args, **kwargs)
     return jit_fn, jit_fn._pack_args(backend, kwargs, bound_args, specialization, options)
