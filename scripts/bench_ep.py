@@ -6,12 +6,14 @@
 
 Per configuration (placement policy x backward drop ratio) and step: bytes sent by the backward
 all-to-alls of token rows (alpha*g rows, their positions, dX rows; summed over ranks, only bytes
-that leave a rank), forward/backward wall time (barrier to barrier), max/mean rank load (forward
+that leave a rank) and, separately, by the replicas' weight-gradient returns to their owners
+(which do not shrink with the drop level), forward/backward wall time (barrier to barrier), max/mean rank load (forward
 rows, kept backward rows, cost F + 2K) and the memory model's three components per rank (base
 expert placement, replicas, token buffers) of the executed plan. For LRMoE at C20 it also
 measures how far the EP kept set is from the single-process per-expert top-quota set. Prints a
 table and writes ``results/bench/ep_<backend>.json``. Check: LRMoE at C20 sends <= 0.82x the
-backward bytes of LRMoE at C0.
+backward token-row bytes of LRMoE at C0; ratios of all backward bytes (replica gradients
+included) are reported beside it.
 """
 from __future__ import annotations
 
@@ -156,7 +158,8 @@ def run_rank(args):
         if r != 0:
             results.append(None)
             continue
-        comm = {k: sum(sum(s[k] for s in g["comm"]) for g in gathered) / args.steps for k in comm_steps[0]}
+        keys = sorted({k for g in gathered for s in g["comm"] for k in s})  # plans may differ per step and rank
+        comm = {k: sum(sum(s.get(k, 0) for s in g["comm"]) for g in gathered) / args.steps for k in keys}
         plan = plans[-1]
         if isinstance(plan, list):
             plan = max(plan, key=lambda p: p.memory.peak)
@@ -165,7 +168,8 @@ def run_rank(args):
                "options": options_for(name, args),
                "mode": plan.info.get("mode", "dropless"), "fallback": plan.fallback,
                "fwd_ms": 1e3 * median(fwd), "bwd_ms": 1e3 * median(bwd), "plan_ms": 1e3 * median(plan_s),
-               "bwd_row_bytes": sum(comm.get(k, 0) for k in BACKWARD_ROW_KEYS), "comm_bytes_per_step": comm,
+               "bwd_row_bytes": sum(comm.get(k, 0) for k in BACKWARD_ROW_KEYS),
+               "bwd_weight_grad_bytes": comm.get("bwd_weight_grads", 0), "comm_bytes_per_step": comm,
                "rows_G": plan.rows_G.tolist(), "kept_G": plan.kept_G.tolist(), "cost_G": plan.cost_G().tolist(),
                "replicas": int(plan.is_replica_N.sum()), "dropped": int(plan.dropped_GE.sum()),
                "memory_G": {"base": mem.base_G.tolist(), "replicas": mem.replicas_G.tolist(),
@@ -201,10 +205,17 @@ def report(args, env, rows):
             ratio = x["bwd_row_bytes"] / base["bwd_row_bytes"]
             key = f"{x['placement']}_{label(x)}_bwd_bytes_over_{x['placement']}_C0"
             checks[key] = {"value": ratio, "target": f"<= {RATIO_TARGET}", "pass": ratio <= RATIO_TARGET}
+            # all backward bytes, the replicas' weight-gradient returns included (they do not shrink with C)
+            total = x["bwd_row_bytes"] + x["bwd_weight_grad_bytes"]
+            checks[f"{x['placement']}_{label(x)}_bwd_total_bytes_over_{x['placement']}_C0"] = {
+                "value": total / (base["bwd_row_bytes"] + base["bwd_weight_grad_bytes"]), "target": "report"}
             if "fixed" in c0 and x["placement"] != "fixed":
                 ratio = x["bwd_row_bytes"] / c0["fixed"]["bwd_row_bytes"]
                 checks[f"{x['placement']}_{label(x)}_bwd_bytes_over_fixed_C0"] = {"value": ratio, "target": "report"}
-    head = (f"{'placement':<15}{'C/quota':>8}{'fwd ms':>8}{'plan ms':>8}{'bwd ms':>8}{'bwd a2a MiB':>12}{'fwd a2a MiB':>12}"
+                checks[f"{x['placement']}_{label(x)}_bwd_total_bytes_over_fixed_C0"] = {
+                    "value": total / c0["fixed"]["bwd_row_bytes"], "target": "report"}  # fixed has no replicas
+    head = (f"{'placement':<15}{'C/quota':>8}{'fwd ms':>8}{'plan ms':>8}{'bwd ms':>8}{'bwd a2a MiB':>12}"
+            f"{'repl grad MiB':>14}{'fwd a2a MiB':>12}"
             f"{'rows max/mean':>14}{'kept max/mean':>14}{'cost max/mean':>14}{'repl':>5}{'drop':>6}"
             f"{'base MiB':>9}{'repl MiB':>9}{'tok MiB':>8}")
     lines = [f"EP benchmark: {env.backend}, {env.world_size} ranks, {args.tokens} tokens/rank, H={args.hidden}, "
@@ -216,7 +227,8 @@ def report(args, env, rows):
         cb = x["comm_bytes_per_step"]
         fwd_mib = (cb.get("fwd_dispatch", 0) + cb.get("fwd_combine", 0)) / MIB
         lines.append(f"{x['placement']:<15}{label(x):>8}{x['fwd_ms']:>8.1f}{x['plan_ms']:>8.1f}{x['bwd_ms']:>8.1f}"
-                     f"{x['bwd_row_bytes'] / MIB:>12.3f}{fwd_mib:>12.3f}{x['rows_max_over_mean']:>14.2f}"
+                     f"{x['bwd_row_bytes'] / MIB:>12.3f}{x['bwd_weight_grad_bytes'] / MIB:>14.3f}"
+                     f"{fwd_mib:>12.3f}{x['rows_max_over_mean']:>14.2f}"
                      f"{x['kept_max_over_mean']:>14.2f}{x['cost_max_over_mean']:>14.2f}{x['replicas']:>5}"
                      f"{x['dropped']:>6}{mem['base']:>9.2f}{mem['replicas']:>9.2f}{mem['tokens']:>8.2f}")
     for x in rows:
