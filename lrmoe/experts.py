@@ -206,11 +206,10 @@ class _SelectiveExperts(torch.autograd.Function):
         compacts = policy.mode == "compact" and n_keep < P
         ctx.save_for_backward(hidden_TH, top_k_weights_TK, gate_up_proj, down_proj, top_k_index_TK,
                               perm_P, offs_E, demand_E, quota_E, GU, O_TKH, phi_norm2_TK, None if compacts else X)
-        # What backward does is settled here (a policy mutated between forward and backward
-        # cannot make the gradients disagree with the selection the record reports).
+        # ``policy`` is the call's snapshot (lrmoe_experts), so a policy mutated between forward and
+        # backward cannot make the gradients disagree with the selection the record reports.
         ctx.policy, ctx.record, ctx.n_keep, ctx.compacts = policy, record, n_keep, compacts
         ctx.masks = policy.mode == "mask" and n_keep < P
-        ctx.mode, ctx.drop_ratio = policy.mode, policy.drop_ratio
         ctx.backend, ctx.fused = backend, fused
         return y
 
@@ -289,7 +288,7 @@ class _SelectiveExperts(torch.autograd.Function):
             else:
                 nonfinite = (~torch.isfinite(g_norm2_T)).sum() * K
             record.fill(demand=demand_E, quota=quota_E, kept=kept_E, kept_mask=keep_P.view(T, K),
-                        scores=scores_TK, nonfinite=nonfinite, mode=ctx.mode, drop_ratio=ctx.drop_ratio,
+                        scores=scores_TK, nonfinite=nonfinite, mode=policy.mode, drop_ratio=policy.drop_ratio,
                         scorer=None if scores_TK is None else policy.scorer,
                         buffer_bytes=buffer_bytes(G.shape[0], H, I2 // 2, G.element_size()), timings=watch.times)
         return grad_hidden, grad_alpha, dW_gu, dW_d, None, None, None
