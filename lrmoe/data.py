@@ -498,12 +498,23 @@ def prepare(
     source = str(source or os.environ.get("LRMOE_ALPACA") or DEFAULT_HUB_ID)
     config = dict(source=source, tokenizer=tokenizer, seq_len=seq_len, heldout_fraction=heldout_fraction,
                   seed=seed, max_records=max_records, max_doc_len=max_doc_len)
+    fingerprint = source_fingerprint(source)
+    keyed = dict(config, source_fingerprint=fingerprint, format=PACKED_FORMAT)
     if out is None:
         # the source's content is part of the key: an edited or replaced file at the same path
         # gets a new cache file instead of the stale one
-        keyed = dict(config, source_fingerprint=source_fingerprint(source), format=PACKED_FORMAT)
         key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:12]
         out = default_cache_dir() / f"alpaca-{key}.pt"
+    else:
+        out = Path(out)
+        if out.exists() and not overwrite:  # a file the caller named: it must hold what was asked for
+            stats = torch.load(out, weights_only=True).get("stats", {})
+            built = dict(stats.get("config", {}), source_fingerprint=stats.get("source_fingerprint"),
+                         format=stats.get("format"))
+            differ = sorted(k for k in keyed if built.get(k) != keyed[k])
+            if differ:
+                raise ValueError(f"{out} was prepared with other arguments or data ({', '.join(differ)} differ); "
+                                 f"pass overwrite=True (--overwrite) or another output file")
     out = Path(out)
     if out.exists() and not overwrite:
         return out
@@ -512,6 +523,7 @@ def prepare(
         max_doc_len=max_doc_len, cache_dir=out.parent / "tokenizers", progress=True,
     )
     stats["config"] = config
+    stats["source_fingerprint"], stats["format"] = fingerprint, PACKED_FORMAT
     stats["tokenizer_file"] = getattr(train.tokenizer, "cache_file", None)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".tmp{os.getpid()}")

@@ -386,7 +386,7 @@ def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_r
             bar.update(1)
             if main:
                 bar.write(f"  {res['name']}: {res['status']} in {res['wall_s']:.0f}s, "
-                          f"final loss {fin.get('loss', float('nan')):.4f}, "
+                          f"final loss {fin['loss'] if fin.get('loss') is not None else float('nan'):.4f}, "
                           f"mean PPL (final 10%) {fin.get('mean_ppl_final_10pct') or float('nan'):.4f}")
 
         specs = [(dataclasses.asdict(r), str(out / r.name)) for r in pending]

@@ -42,8 +42,10 @@ Definitions (see docs/reproduce.md):
 
 * ``loss``: mean next-token cross-entropy over the response tokens (labels != -100) of the whole
   optimizer step (all micro-batches; each micro-batch's summed loss is divided by the step's token
-  count, so accumulation is exactly equivalent to a bigger micro-batch). ``ppl = exp(loss)`` is the
-  per-token perplexity of the training stream, the quantity the paper averages over its final steps.
+  count, so at drop ratio 0 accumulation is exactly a bigger micro-batch; with drops, quotas and
+  selection apply per layer call, i.e. per micro-batch). ``ppl = exp(loss)`` is the per-token
+  perplexity of the training stream, the quantity the paper averages over its final steps. A step
+  whose rows hold no response token logs ``loss`` and ``ppl`` as null and is left out of the PPL means.
 * ``moe_fwd_s``/``moe_bwd_s``: seconds spent *inside the routed-experts functions* of all MoE layers
   during the step (forward: from entering to leaving each experts module, i.e. dispatch/sort,
   quotas, grouped GEMMs, combine; backward: from the moment autograd starts the experts node to
@@ -62,6 +64,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import sys
 import threading
@@ -220,6 +223,11 @@ class TrainConfig:
                 raise ValueError(f"{name} must be an integer >= {minimum}, got {v!r}")
 
         positive_int("seq_len", 2)
+        if not isinstance(self.tokenizer, str) or not self.tokenizer:
+            raise ValueError(f"tokenizer must be a non-empty string, got {self.tokenizer!r}")
+        if self.tokenizer.startswith("bpe:") and not re.fullmatch(r"bpe:[1-9]\d*", self.tokenizer):
+            raise ValueError(f"tokenizer {self.tokenizer!r}: a trained BPE is written 'bpe:N' with N a positive "
+                             "integer (e.g. bpe:1024); also accepted: 'VOCAB.json,MERGES.txt' or a HF tokenizer dir")
         positive_int("steps")
         for name in ("warmup_steps", "eval_interval", "checkpoint_interval", "seed", "data_seed"):
             positive_int(name, 0)
@@ -270,12 +278,19 @@ class TrainConfig:
             from .hf import model_config
 
             known = model_config(self.model).to_dict()
+            known.update(known.get("rope_parameters") or {})  # rope_theta etc. live there in transformers 5
             unknown = sorted(k for k in self.model_overrides if k not in known)
             if unknown:  # transformers would store a misspelt field as an unused attribute
                 raise ValueError(f"model_overrides {unknown} are not fields of the {self.model!r} config; "
                                  f"accepted: {sorted(known)}")
+        if self.model_overrides.get("output_router_logits"):
+            raise ValueError("model_overrides output_router_logits=True: lrmoe train does not add the router's "
+                             "auxiliary loss (the runs train without it, docs/reproduce.md), so it would be ignored")
         self._validate_ep()
         self.policy()  # validates drop_ratio, scorer, quota, mode, policy seed
+        if self.mode == "full" and self.drop_ratio > 0:
+            raise ValueError(f"mode 'full' keeps every pair, so drop_ratio {self.drop_ratio} would not apply; "
+                             "use mode 'compact' (or 'mask') to drop pairs, or drop_ratio 0")
         return self
 
     def _validate_ep(self):
@@ -294,6 +309,13 @@ class TrainConfig:
                 or self.load_concurrency < 0:
             raise ValueError(f"load_concurrency must be an int >= 0 (0: all ranks at once), "
                              f"got {self.load_concurrency!r}")
+        if self.ep == 1:
+            ignored = [f for f, v, d in (("placement", self.placement, "lrmoe"), ("ep_budget_mib", self.ep_budget_mib, None),
+                                         ("ep_options", self.ep_options, {})) if v != d]
+            if ignored:
+                raise ValueError(f"{', '.join(ignored)} {'applies' if len(ignored) == 1 else 'apply'} only to expert "
+                                 "parallelism (ep > 1) and would be ignored with ep 1: set --ep N or leave "
+                                 f"{'it' if len(ignored) == 1 else 'them'} at the default")
         if self.micro_batch % self.ep:
             raise ValueError(f"micro_batch ({self.micro_batch}) must be divisible by ep ({self.ep}): every "
                              f"micro-batch is split evenly over the ranks")
@@ -330,8 +352,8 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     """Multiplier of ``cfg.lr`` for optimizer step ``step`` (0-based): linear warm-up, cosine decay."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
-    decay_steps = max(1, cfg.steps - cfg.warmup_steps - 1)  # the last step (steps - 1) gets min_lr_ratio
-    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    decay_steps = cfg.steps - cfg.warmup_steps - 1  # the last step (steps - 1) gets min_lr_ratio
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps) if decay_steps > 0 else 1.0
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
@@ -655,11 +677,13 @@ def _summary_of_metrics(rows: list[dict], steps: int) -> dict:
         return {}
     last = rows[-1]
     n_tail = max(1, math.ceil(0.1 * steps))
-    tail = [r["ppl"] for r in rows if r["step"] > steps - n_tail]
+    tail = [r["ppl"] for r in rows if r["step"] > steps - n_tail and r["ppl"] is not None]
+    ppls = [r["ppl"] for r in rows if r["ppl"] is not None]  # steps without response tokens have none
     evals = [r for r in rows if "eval_loss" in r]
     out = {"step": last["step"], "loss": last["loss"], "ppl": last["ppl"],
            "mean_ppl_final_10pct": sum(tail) / len(tail) if tail else None,
-           "mean_ppl_all_steps": sum(r["ppl"] for r in rows) / len(rows),
+           "mean_ppl_all_steps": sum(ppls) / len(ppls) if ppls else None,
+           "steps_without_loss": len(rows) - len(ppls),
            "kept_fraction_mean": sum(r["kept_fraction"] for r in rows) / len(rows),
            "nonfinite_total": sum(r.get("nonfinite", 0) for r in rows)}
     if evals:
@@ -805,6 +829,9 @@ def _train(cfg: TrainConfig, out: Path, runner, progress: bool, stop_after: int 
                                  f"{cfg.tokenizer!r} has {vocab} tokens; use the checkpoint's tokenizer")
         else:
             built["overrides"] = {"vocab_size": vocab, **cfg.model_overrides}
+            if built["overrides"]["vocab_size"] < vocab:
+                raise ValueError(f"model_overrides vocab_size={built['overrides']['vocab_size']} is smaller than the "
+                                 f"tokenizer {cfg.tokenizer!r} ({vocab} tokens); leave it out (it follows the tokenizer)")
             model = hf.build_model(cfg.model, policy=policy, seed=cfg.seed, **built["overrides"])
         mods = hf.experts_modules(model)  # counted before the experts are sharded
         # the family of what was built or loaded (an init_from checkpoint may not be the preset's)
@@ -835,8 +862,15 @@ def _train(cfg: TrainConfig, out: Path, runner, progress: bool, stop_after: int 
 
     if ckpt_path.exists():
         ck = runner.load_checkpoint(ckpt_path)
-        if config_differences(ck["config"], cfg.to_dict()):
-            raise ValueError(f"{ckpt_path} was written by a different config; use a fresh output directory")
+        diff = config_differences(ck["config"], cfg.to_dict())
+        if diff:
+            raise ValueError(f"{ckpt_path} was written by a different config ({'; '.join(diff)}); "
+                             "use a fresh output directory")
+        was, now = ck.get("data_fingerprint"), data_stats.get("source_fingerprint")
+        if was and now and was != now:  # e.g. $LRMOE_ALPACA pointing elsewhere, or a file edited in place
+            raise ValueError(f"{ckpt_path} was trained on other data (content fingerprint {was[:12]}, now "
+                             f"{now[:12]} from {data_stats.get('config', {}).get('source')!r}); resume with the "
+                             "same data or use a fresh output directory")
         runner.load_state(ckpt_path, ck, model, opt, lambda state: _set_rng_state(state, policy, device))
         sched.load_state_dict(ck["scheduler"])
         stream.position = ck["data_position"]
@@ -853,7 +887,8 @@ def _train(cfg: TrainConfig, out: Path, runner, progress: bool, stop_after: int 
             metrics_path.write_text("")
 
     base = {"config": cfg.to_dict(), "seed": cfg.seed, "environment": _environment(device),
-            "data": {k: v for k, v in data_stats.items() if k != "config"},
+            "data": {**{k: v for k, v in data_stats.items() if k != "config"},
+                     "source": data_stats.get("config", {}).get("source")},  # resolved ($LRMOE_ALPACA too)
             "model": {"preset": cfg.model, "family": built["family"],
                       "parameters": n_parameters, "moe_layers": n_moe, "experts": n_experts,
                       "sampled_layers": sampled, "vocab_size": vocab, "overrides": overrides,
@@ -873,7 +908,8 @@ def _train(cfg: TrainConfig, out: Path, runner, progress: bool, stop_after: int 
         t0 = time.perf_counter()
         runner.save_checkpoint(ckpt_path, {"config": cfg.to_dict(), "step": step, "scheduler": sched.state_dict(),
                                            "data_position": stream.position, "timings": timings,
-                                           "resumed_from": resumed_from},
+                                           "resumed_from": resumed_from,
+                                           "data_fingerprint": data_stats.get("source_fingerprint")},
                                model, opt, _rng_state(policy, device))
         timings["checkpoint_s"] += time.perf_counter() - t0
 
@@ -964,8 +1000,10 @@ def _train(cfg: TrainConfig, out: Path, runner, progress: bool, stop_after: int 
             timings["moe_fwd_s"] += fwd_s
             timings["moe_bwd_s"] += bwd_s
             fracs = [k / d for k, d in kept if d]
-            row = {"step": step, "epoch": stream.epoch, "loss": loss_total,
-                   "ppl": math.exp(min(loss_total, 700.0)), "lr": lr, "grad_norm": grad_norm,
+            # A step whose rows hold no response token has no loss: None, not 0 (PPL 1), and the
+            # PPL averages leave it out (the optimizer still steps, on a zero gradient).
+            row = {"step": step, "epoch": stream.epoch, "loss": loss_total if n_label else None,
+                   "ppl": math.exp(min(loss_total, 700.0)) if n_label else None, "lr": lr, "grad_norm": grad_norm,
                    "tokens": n_tokens, "label_tokens": n_label, "tokens_per_s": n_tokens / dt,
                    "step_time_s": dt, "moe_fwd_s": fwd_s, "moe_bwd_s": bwd_s,
                    "kept_fraction": sum(fracs) / len(fracs) if fracs else 1.0, "nonfinite": nonfinite,
@@ -982,7 +1020,7 @@ def _train(cfg: TrainConfig, out: Path, runner, progress: bool, stop_after: int 
             if bar is not None:
                 bar.update(1)
                 if step % cfg.log_interval == 0 or step == cfg.steps:
-                    post = {"loss": f"{loss_total:.4f}", "kept": f"{row['kept_fraction']:.2f}",
+                    post = {"loss": f"{loss_total:.4f}" if n_label else "-", "kept": f"{row['kept_fraction']:.2f}",
                             "tok/s": f"{row['tokens_per_s']:.0f}"}
                     if "eval_loss" in row:
                         post["eval"] = f"{row['eval_loss']:.4f}"
@@ -1099,13 +1137,20 @@ def _cli(args) -> int:
         from .parallel.train_ep import check_launch
 
         check_launch(cfg)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # OSError: a --config file that cannot be read
         print(f"lrmoe train: {e}", file=sys.stderr)
         return 2
     main = int(os.environ.get("RANK", "0")) == 0  # under torchrun, rank 0 reports
     if main:
         print(json.dumps(cfg.to_dict()), file=sys.stderr)
-    s = train(cfg, args.out, progress=not args.no_progress, stop_after=args.stop_after)
+    try:
+        s = train(cfg, args.out, progress=not args.no_progress, stop_after=args.stop_after)
+    except (ValueError, OSError) as e:  # bad data, tokenizer or output folder: say what, no traceback
+        print(f"lrmoe train: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # the loop wrote a checkpoint at a step boundary before re-raising
+        print(f"lrmoe train: interrupted; rerun the same command to resume from {args.out}", file=sys.stderr)
+        return 130
     if not main:
         return 0
     fin = s.get("final", {})

@@ -96,11 +96,12 @@ class Run:
         if not self.done or not self.rows or steps <= 0:
             return None
         n = max(1, math.ceil(fraction * steps))
-        tail = [r["ppl"] for r in self.rows if r["step"] > steps - n]
+        tail = [r["ppl"] for r in self.rows if r["step"] > steps - n and r.get("ppl") is not None]
         return sum(tail) / len(tail) if tail else None
 
     def ppl_by_step(self) -> dict[int, float]:
-        return {r["step"]: r["ppl"] for r in self.rows}
+        """PPL per step (steps without response tokens, logged with ppl None, left out)."""
+        return {r["step"]: r["ppl"] for r in self.rows if r.get("ppl") is not None}
 
 
 @dataclass

@@ -112,6 +112,8 @@ def make_f2(res: Results, paper: dict, out: Path) -> list[Path]:
             if r is None or not r.done:
                 continue
             for row in r.rows:
+                if row.get("loss") is None:  # a step without response tokens has no loss
+                    continue
                 frames.append({"family": fam, "level": level_name(d), "step": row["step"], "loss": row["loss"],
                                "ppl": row["ppl"], "steps": r.config.get("steps", 0)})
     title = "F2. Training loss by backward drop level (C0-C30, LRM scorer)"

@@ -141,7 +141,7 @@ def train():
     f = out / "train_smoke" / "metrics.jsonl"
     if f.exists():
         rows = [json.loads(l) for l in f.read_text().splitlines() if l.strip()]
-        steps = [r for r in rows if "loss" in r]
+        steps = [r for r in rows if r.get("loss") is not None]
         if steps:
             print(f"\ntraining smoke (GPU, bf16 autocast, C20): {len(steps)} steps, loss {steps[0]['loss']:.3f} -> "
                   f"{steps[-1]['loss']:.3f}")
