@@ -26,7 +26,9 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -338,14 +340,22 @@ def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_r
     if main:
         print(f"preset {p.name}: {p.description}", file=sys.stderr)
         print(f"  hardware: {p.hardware}; cost: {p.cost}", file=sys.stderr)
+        if runs:  # the settings every run shares (the full configs are in manifest.json)
+            common = {k: v for k, v in runs[0].config.items() if all(r.config.get(k) == v for r in runs)}
+            print(f"  data: {common.pop('data', 'per run')}; shared settings: "
+                  + ", ".join(f"{k}={v}" for k, v in sorted(common.items())), file=sys.stderr)
         print(f"  {len(runs)} runs -> {out}/ ({len(done)} done, {len(pending)} to run, {jobs} in parallel)",
               file=sys.stderr)
     if dry_run:
         for r in runs:
             c = r.config
-            print(f"  {r.name:28s} {','.join(r.experiments):6s} {pl['status'][r.name] or 'new':8s} "
+            status = "stale" if r.name in pl["stale"] else pl["status"][r.name] or "new"
+            print(f"  {r.name:28s} {','.join(r.experiments):6s} {status:8s} "
                   f"model={c['model']} drop={c['drop_ratio']} scorer={c['scorer']} seed={c['seed']} "
                   f"steps={c['steps']}")
+            if r.name in pl["stale"]:
+                print(f"    its folder holds a run of another config ({'; '.join(pl['stale'][r.name])}): "
+                      f"a real call stops with status 2", file=sys.stderr)
             if p.launcher == "torchrun":
                 import shlex
 
@@ -403,7 +413,13 @@ def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_r
             import multiprocessing as mp
             from concurrent.futures import ProcessPoolExecutor, as_completed
 
-            with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as ex:
+            def on_term(signum, frame):  # SIGTERM (e.g. a job scheduler): stop the workers too
+                raise KeyboardInterrupt
+
+            prev_term = signal.signal(signal.SIGTERM, on_term) if threading.current_thread() is threading.main_thread() \
+                else None
+            ex = ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"))
+            try:
                 futs = {ex.submit(_run_one, spec, d, False): spec["name"] for spec, d in specs}
                 for f in as_completed(futs):
                     try:
@@ -411,6 +427,19 @@ def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_r
                     except Exception as e:
                         failures.append((futs[f], repr(e)))
                         bar.write(f"  {futs[f]}: FAILED: {e!r}")
+            except KeyboardInterrupt:
+                # the workers would otherwise keep training, orphaned; each resumes from its last
+                # checkpoint on the next call
+                ex.shutdown(wait=False, cancel_futures=True)
+                for child in mp.active_children():
+                    child.terminate()
+                bar.close()
+                print(f"lrmoe reproduce: interrupted; rerun the same command to resume ({out}/)", file=sys.stderr)
+                return 130
+            finally:
+                ex.shutdown(wait=True)
+                if prev_term is not None:
+                    signal.signal(signal.SIGTERM, prev_term)
         bar.close()
         if group is not None:
             group()

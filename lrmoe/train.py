@@ -59,6 +59,7 @@ Definitions (see docs/reproduce.md):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -791,9 +792,38 @@ def train(cfg: TrainConfig, out_dir, progress: bool = True, stop_after: int | No
         return previous
     runner = make_runner(cfg)
     try:
-        return _train(cfg, out, runner, progress, stop_after)
+        with _run_folder_lock(out, runner.is_main):
+            return _train(cfg, out, runner, progress, stop_after)
     finally:
         runner.close()
+
+
+@contextlib.contextmanager
+def _run_folder_lock(out: Path, main: bool):
+    """One training process per run folder: a second one (e.g. a second `lrmoe reproduce` while the
+    first one's workers still train) stops with a ValueError instead of training the same run."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        fcntl = None
+    if not main or fcntl is None:
+        yield
+        return
+    fh = open(out / ".lrmoe.lock", "a+")
+    try:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            raise ValueError(f"{out} is being trained by another process (pid {fh.read().strip() or '?'}); "
+                             "wait for it to finish or stop it, then rerun to resume") from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(str(os.getpid()))
+        fh.flush()
+        yield
+    finally:
+        fh.close()  # releases the lock
 
 
 def _train(cfg: TrainConfig, out: Path, runner, progress: bool, stop_after: int | None) -> dict:

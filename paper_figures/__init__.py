@@ -26,6 +26,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Callable
 
+from lrmoe.bench.common import write_text
 from lrmoe.train import read_metrics  # the reader the training loop uses (tolerates a torn last line)
 
 PAPER_NUMBERS = Path(__file__).with_name("paper_numbers.json")
@@ -239,15 +240,15 @@ def register(key: str, kind: str, title: str, fn: Callable | None = None, needs:
 
 
 register("T3", "table", "Time to a fixed loss target (cumulative MoE-layer time) per method and model",
-         needs="the expert-parallel runtime and the SYMI/UltraEP/Megatron baselines (EP and baselines issues)")
+         needs="expert-parallel training runs of every method on GPUs (the runtime and baselines exist: `lrmoe train --ep N --placement ...`; no preset runs them yet)")
 register("T4", "table", "Memory breakdown per method (expert placement + replicas + token buffers)",
-         needs="the placement planners and memory model of the baselines issue")
+         needs="a table maker over the memory model (`lrmoe.parallel.memory`, `scripts/bench_ep.py` reports it per plan) at the paper's shapes; not written yet")
 register("T5", "table", "Backward execution latency per MoE layer",
-         needs="the layer benchmark at the paper's shapes on a GPU (bench issue)")
+         needs="the layer benchmark at the paper's shapes on a GPU (`scripts/gpu_check.sh`)")
 register("F3", "figure", "Effective throughput vs batch-size pressure (1x-20x) per method",
-         needs="the cluster simulator / EP runtime (sim and EP issues)")
+         needs="the cluster simulator (not written yet) or EP runs at batch-size pressure on GPUs")
 register("F4", "figure", "Loss vs cumulative MoE-layer time per method",
-         needs="the expert-parallel runtime and the baselines (EP and baselines issues)")
+         needs="expert-parallel training runs of every method on GPUs (no preset runs them yet)")
 
 
 def _load_makers() -> None:
@@ -305,7 +306,5 @@ def make_all(results_dir, out_dir=None, only: list[str] | None = None) -> list[P
         else:
             report += [f"Not yet produced: needs {m.needs}.", "",
                        f"Paper ({m.kind}): `{_paper_line(key, paper)}`", ""]
-    path = out / "report.md"
-    out.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(report).rstrip() + "\n")
+    path = write_text(out / "report.md", "\n".join(report).rstrip() + "\n")
     return written + [path]

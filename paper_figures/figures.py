@@ -1,6 +1,7 @@
 """F1 (per-expert demand vs quota vs kept, from real routing) and F2 (loss curves C0-C30): PNG + PDF."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from . import FAMILY_NAMES, Results, level_name, register
@@ -22,8 +23,10 @@ def _save(fig, out: Path, stem: str) -> list[Path]:
     d = out / "figures"
     d.mkdir(parents=True, exist_ok=True)
     png, pdf = d / f"{stem}.png", d / f"{stem}.pdf"
-    fig.savefig(png, dpi=150, bbox_inches="tight")
-    fig.savefig(pdf, bbox_inches="tight")
+    for path, kw in ((png, {"dpi": 150}), (pdf, {})):  # atomic: a temporary file, then a rename
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        fig.savefig(tmp, format=path.suffix[1:], bbox_inches="tight", **kw)
+        os.replace(tmp, path)
     return [png, pdf]
 
 
@@ -71,11 +74,11 @@ def make_f1(res: Results, paper: dict, out: Path) -> list[Path]:
                        "what": ["routed demand (forward)"] * E + ["backward quota"] * E + ["kept in backward"] * E})
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw={"width_ratios": [4, 1]})
     sns.barplot(data=df, x="expert", y="pairs", hue="what", ax=ax, palette=["#9ecae1", "#fdae6b", "#31a354"])
-    cap = max(st["quota"])
-    if sum(st["quota"]) < sum(st["demand"]):
-        ax.axhline(cap, ls="--", c="k", lw=0.8)
-        ax.text(E - 0.5, cap, f" waterfill cap {cap}", va="bottom", ha="right", fontsize=8)
     cfg = run.config
+    cap = max(st["quota"])
+    if sum(st["quota"]) < sum(st["demand"]) and cfg.get("quota", "waterfill") == "waterfill":
+        ax.axhline(cap, ls="--", c="k", lw=0.8)  # waterfill's common cap; other policies have none
+        ax.text(E - 0.5, cap, f" waterfill cap {cap}", va="bottom", ha="right", fontsize=8)
     ax.set_title(f"measured: {FAMILY_NAMES.get(run.family, run.family)} ({cfg.get('model')}), "
                  f"{level_name(run.drop)} {cfg.get('scorer')}/{cfg.get('quota')}, MoE layer {key}, "
                  f"step {row['step']} (sum over {cfg.get('grad_accum', 1)} micro-batch(es))", fontsize=9)
@@ -88,8 +91,8 @@ def make_f1(res: Results, paper: dict, out: Path) -> list[Path]:
     sns.barplot(data=pdf_, x="expert", y="pairs", hue="what", ax=ax2, palette=["#9ecae1", "#31a354"])
     ax2.set_title("paper (illustration)", fontsize=9)
     ax2.legend(fontsize=7)
-    fig.suptitle(f"{title} — preset {res.preset_name}; {res.hardware()}; replicas: not yet produced (EP issue)",
-                 fontsize=10)
+    fig.suptitle(f"{title} — preset {res.preset_name}; {res.hardware()}; replicas: none (single-process runs; "
+                 f"replica counts need expert-parallel runs)", fontsize=10)
     fig.tight_layout()
     files = _save(fig, out, "F1_expert_loads")
     plt.close(fig)
@@ -122,6 +125,8 @@ def make_f2(res: Results, paper: dict, out: Path) -> list[Path]:
     df = pd.DataFrame(frames)
     order = [level_name(d) for d in LEVELS]
     palette = dict(zip(order, sns.color_palette("viridis", len(order))))
+    from matplotlib.ticker import MaxNLocator
+
     fig, axes = plt.subplots(2, len(fams), figsize=(5.5 * len(fams), 7), squeeze=False)
     for j, fam in enumerate(fams):
         sub = df[df.family == fam]
@@ -133,6 +138,7 @@ def make_f2(res: Results, paper: dict, out: Path) -> list[Path]:
         sns.lineplot(data=sub, x="step", y="loss", hue="level", hue_order=[o for o in order if o in set(sub.level)],
                      palette=palette, ax=ax, lw=0.9)
         ax.set_yscale("log")
+        ax.set_ylabel("training loss (response-token CE, nats; log scale)")
         ax.set_title(f"measured: {FAMILY_NAMES.get(fam, fam)} ({res.model_of(fam)}), seed {seed}", fontsize=9)
         steps = int(sub.steps.max())
         tail = sub[sub.step > steps - max(1, -(-steps // 10))]
@@ -141,6 +147,7 @@ def make_f2(res: Results, paper: dict, out: Path) -> list[Path]:
                      palette=palette, ax=ax2, lw=0.9, marker=".")
         ax2.set_title("final 10 % of steps (the T1 window): per-step training PPL", fontsize=9)
         ax2.set_ylabel("perplexity")
+        ax2.xaxis.set_major_locator(MaxNLocator(integer=True))  # optimizer steps
     pv = paper["T1"]["values"]
     fig.text(0.5, -0.01, "paper (Qwen3-30B-A3B, 8× Hopper, mean PPL over the final 1,000 of 10,000 steps): "
              + ", ".join(f"{k} {v:.6f}" for k, v in pv.items()), ha="center", fontsize=8)

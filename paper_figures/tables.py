@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lrmoe.bench.common import write_text
+
 from . import FAMILY_NAMES, NOT_RUN, Results, level_name, mean_std, register
 
 LEVELS = (0.0, 0.1, 0.2, 0.3)
@@ -67,8 +69,8 @@ def _write(out: Path, stem: str, md_lines: list[str], tex: str) -> list[Path]:
     d = out / "tables"
     d.mkdir(parents=True, exist_ok=True)
     md, tx = d / f"{stem}.md", d / f"{stem}.tex"
-    md.write_text("\n".join(md_lines).rstrip() + "\n")
-    tx.write_text(tex)
+    write_text(md, "\n".join(md_lines).rstrip() + "\n")
+    write_text(tx, tex)
     return [md, tx]
 
 
@@ -189,10 +191,12 @@ def make_t2(res: Results, paper: dict, out: Path) -> list[Path]:
                                + "; paper " + " < ".join(SCORER_NAMES.get(sc, sc) for _, sc in sorted(pap)))
     scale = ("Qwen3-30B-A3B and GLM4.5-106B-A12B, 8× Hopper, 10,000-step runs; the paper's averaging window and "
              "drop level for this ablation are not stated in our sources")
-    md = _header(res, "T2", "Scorer ablation: ΔPPL vs C0 of the same seed (mean ± std over seeds, n = seeds)",
+    md = _header(res, "T2", "Scorer ablation: ΔPPL vs C0 of the same seed (mean ± sample std (n−1) over seeds, "
+                            "n = seeds)",
                  scale)
     md += [_md_table(head, rows), ""] + order_lines + [""]
-    cap = (f"T2: scorer ablation, mean ± std over seeds of the PPL difference to C0. Measured: preset "
+    cap = (f"T2: scorer ablation, mean ± sample standard deviation (n−1) over seeds of the PPL difference to C0. "
+           f"Tables use booktabs. Measured: preset "
            f"{res.preset_name}, {res.scale()}, {res.hardware()}. Paper: {scale}.")
     return _write(out, "T2_scorer_ablation", md, _tex_table(cap, "tab:t2", head, rows))
 

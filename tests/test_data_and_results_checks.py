@@ -152,7 +152,7 @@ def test_t1_t2_arithmetic_recomputed_from_run_files():
 
 
 def test_paper_numbers_match_paper_md():
-    """Passed: every number in paper_numbers.json T1/T2 is in shared/paper.md's results tables."""
+    """Every number in paper_numbers.json (T1-T5, F3) is in shared/paper.md's results, as written there."""
     paper_md = (REPO.parent / "shared" / "paper.md")
     _need(paper_md)
     text = paper_md.read_text()
@@ -164,6 +164,25 @@ def test_paper_numbers_match_paper_md():
     pairs = [tuple(float(v) for v in cell.split(" / ")) for cell in abl.split(" | ")]
     for (q, g), sc in zip(pairs, ("lrm", "grad_norm", "abs_grad", "random")):
         assert pn["T2"]["values"]["qwen3"][sc] == q and pn["T2"]["values"]["glm4"][sc] == g
+    # T3-T5 and F3: the paper's sentences and table, as written there (line breaks and bold aside)
+    mem = re.search(r"\| Megatron-LM \| UltraEP \| SYMI \| LRMoE \|\n\|[-|]+\|\n\| (.*) \|", text).group(1)
+    text = re.sub(r"\s+", " ", text).replace("**", "")
+    t3 = pn["T3"]
+    lo, hi = t3["reduction_vs_symi_pct_range"]
+    assert f"{lo}–{hi} % less than SYMI" in text
+    assert f"Qwen3-30B-A3B {t3['reduction_vs_symi_pct']['qwen3'][0]} % and {t3['reduction_vs_symi_pct']['qwen3'][1]} %" \
+        in text and f"the {t3['reduction_vs_symi_pct']['glm4']} % low end is GLM4.5-106B-A12B" in text
+    q = t3["qwen3_to_loss_0.02"]
+    assert (f"SYMI {q['SYMI']['minutes']} min / {q['SYMI']['steps']:,} steps" in text
+            and f"LRMoE {q['LRMoE']['minutes']} min / {q['LRMoE']['steps']:,} steps" in text)
+    assert mem.split(" | ")[:3] == [f"{pn['T4']['subtotal'][k]}" for k in ("Megatron-LM", "UltraEP", "SYMI")]
+    assert mem.split(" | ")[3].startswith(f"{pn['T4']['subtotal']['LRMoE']} ({pn['T4']['lrmoe_vs_fixed_ownership_pct']}".replace("-", "−"))
+    tb = pn["T4"]["token_buffers"]
+    assert f"{tb['Megatron-LM']} GiB (fixed ownership) → {tb['LRMoE']} GiB (LRMoE)" in text
+    assert f"{pn['T5']['values']['baseline']} ms → {pn['T5']['values']['LRMoE']} ms" in text
+    f3 = pn["F3"]["values"]
+    assert (f"LRMoE {f3['LRMoE']:g} %, UltraEP {f3['UltraEP']} %, SYMI {f3['SYMI']} %, Megatron-LM "
+            f"{f3['Megatron-LM']} %") in text and f"under {pn['F3']['pressure']}× batch-size pressure" in text
 
 
 # ------------------------------------------------------------------- tables (synthetic folders)

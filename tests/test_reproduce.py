@@ -120,7 +120,7 @@ def test_missing_runs_say_not_run(smoke, tmp_path):
     assert random_row.split(" | ")[2] == "not run" and "(n=2)" in random_row
 
 
-def test_cli_dry_run_only_and_paper(smoke, capsys):
+def test_cli_dry_run_only_and_paper(smoke, capsys, monkeypatch):
     from lrmoe.cli import main
 
     assert main(["reproduce", "--preset", "cpu", "--dry-run", "--out", str(smoke / "cpu"),
@@ -128,11 +128,30 @@ def test_cli_dry_run_only_and_paper(smoke, capsys):
     out = capsys.readouterr().out
     assert [line.split()[0] for line in out.strip().splitlines()] == ["qwen3-C10-lrm-s0", "qwen3-C20-lrm-s0",
                                                                      "qwen3-C30-lrm-s0"]
-    assert main(["reproduce", "--preset", "paper"]) == 2
+    # never a real launch, whatever GPUs the machine running the tests has
+    monkeypatch.setattr("lrmoe.reproduce._missing_hardware", lambda p, runs: "the test stands in for missing GPUs")
+    assert main(["reproduce", "--preset", "paper", "--out", str(smoke / "paper")]) == 2
     assert "expert-parallel" in capsys.readouterr().err
+    assert not (smoke / "paper").exists()
     assert main(["figures", "--results", str(smoke), "--out", str(smoke / "again"), "--only", "T1"]) == 0
     assert (smoke / "again/tables/T1_convergence.md").exists()
     assert not (smoke / "again/figures").exists()
+
+
+def test_dry_run_shows_a_stale_run(smoke, tmp_path, capsys):
+    """--dry-run used to list a run folder of another config as done; a real call stops with 2."""
+    from lrmoe.cli import main
+
+    out = tmp_path / "smoke"
+    shutil.copytree(smoke, out)
+    name = next(p.name for p in out.iterdir() if (p / "summary.json").exists())
+    s = json.loads((out / name / "summary.json").read_text())
+    s["config"]["lr"] *= 2
+    (out / name / "summary.json").write_text(json.dumps(s))
+    assert main(["reproduce", "--preset", "smoke", "--out", str(out), "--dry-run", "--only", f"^{name}$"]) == 0
+    cap = capsys.readouterr()
+    assert cap.out.split()[:3][2] == "stale" and "a real call stops with status 2" in cap.err
+    assert main(["reproduce", "--preset", "smoke", "--out", str(out), "--only", f"^{name}$"]) == 2
 
 
 def test_missing_shared_data_skips(tmp_path, monkeypatch, capsys):

@@ -109,3 +109,17 @@ def test_checkpoint_mismatch_names_the_difference(data_path, tmp_path):
 def test_cosine_ends_at_min_lr_right_after_warmup(steps, warmup):
     c = TrainConfig(steps=steps, warmup_steps=warmup, lr=1.0, min_lr_ratio=0.1)
     assert lr_factor(steps - 1, c) == pytest.approx(0.1)
+
+
+def test_one_training_process_per_run_folder(tmp_path):
+    """A second process (e.g. a second `lrmoe reproduce` while orphaned workers still train) is refused."""
+    from lrmoe.train import _run_folder_lock
+
+    with _run_folder_lock(tmp_path, True):
+        with pytest.raises(ValueError, match="being trained by another process"):
+            with _run_folder_lock(tmp_path, True):
+                pass
+        with _run_folder_lock(tmp_path, False):  # only the main rank locks
+            pass
+    with _run_folder_lock(tmp_path, True):  # released on exit
+        pass

@@ -79,9 +79,15 @@ def environment(device: torch.device) -> dict:
 
 def write_json(path: Path, payload: dict) -> Path:
     """Atomic write (a killed run never leaves a half-written file)."""
+    return write_text(path, json.dumps(payload, indent=2, default=str))
+
+
+def write_text(path: Path, text: str) -> Path:
+    """Atomic write of a text file: a temporary file beside it, then a rename."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(payload, indent=2, default=str))
+    tmp.write_text(text)
     tmp.replace(path)
     return path
 
