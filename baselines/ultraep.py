@@ -109,51 +109,46 @@ def ultraep_threshold(load_E, owner_E, free_G, domain_G, min_tokens: int = 1024,
 
 
 def eplb_replicas(load_E, owner_E, free_G, domain_G) -> list[tuple[int, int]]:
-    """UltraEP's EPLB-like fallback: (expert, host rank) of every replica.
+    """UltraEP's EPLB-like fallback (baselines.md): (expert, host rank) of every replica.
 
-    One free slot at a time: the expert with the highest load / instances (ties to the lower
-    index) among those that can still take a replica, i.e. with load > 0 and a rank of its owner's
-    fast domain that has a free slot and no copy of it, gets one, on the least-loaded such rank
-    (load = the shares load / instances of the instances a rank hosts, masters included), unless
-    that would raise the busiest rank's load, in which case the next expert is tried; it stops when
-    no expert can take a replica.
+    Repeatedly add a replica to the expert with the highest load / instances until the free
+    slots are used (an expert has at most one copy per rank of its domain, counts only against
+    its own fast domain's free slots, and zero-load experts get none); then place replicas largest
+    share first on the least-loaded rank (load = sum of the shares it hosts, masters included)
+    with a free slot in the domain that does not host it. A replica that fits nowhere is not added.
 
-    Counting replicas first and placing them afterwards (EPLB's two phases) wastes slots here,
-    because masters stay on their owners: replicas counted for an expert whose domain has no
-    placeable slot left are dropped while another domain's free slots stay empty."""
+    Counting against the domain's own slots keeps a full domain from taking the replicas another
+    domain could place (counted against the global total, they were dropped in placement while
+    the other domain's slots stayed free). It is a heuristic, as published: with masters pinned to
+    their owners a replica can land on a busier rank than its master's."""
     load = np.asarray(load_E, dtype=np.float64)
-    G, E = len(free_G), len(load)
+    G = len(free_G)
     domain_G = np.asarray(domain_G)
-    n = np.ones(E, dtype=np.int64)
+    dom_E = domain_G[owner_E]
+    domain_size = np.bincount(domain_G, minlength=G)[dom_E]
+    dom_free = np.bincount(domain_G, weights=np.asarray(free_G, dtype=np.float64), minlength=G).astype(np.int64)
+    n = np.ones(len(load), dtype=np.int64)
+    for _ in range(int(np.sum(free_G))):
+        share = np.where((n < domain_size) & (dom_free[dom_E] > 0), load / n, -1.0)
+        e = int(np.argmax(share))
+        if share[e] <= 0:
+            break
+        n[e] += 1
+        dom_free[dom_E[e]] -= 1
+    share = load / n
+    rank_load = np.bincount(owner_E, weights=share, minlength=G)
     free = np.array(free_G, dtype=np.int64)
     hosts = [{int(r)} for r in owner_E]
+    wanted = np.repeat(np.arange(len(load)), n - 1)
     placed = []
-    while free.sum() > 0:
-        rank_load = np.zeros(G)
-        for e in range(E):
-            for r in hosts[e]:
-                rank_load[r] += load[e] / n[e]
-        eligible = [(free > 0) & (domain_G == domain_G[owner_E[e]]) for e in range(E)]
-        for e in range(E):
-            eligible[e][list(hosts[e])] = False
-        share = np.array([load[e] / n[e] if load[e] > 0 and eligible[e].any() else -1.0 for e in range(E)])
-        chosen = None
-        for e in np.argsort(-share, kind="stable"):  # highest share first, ties to the lower index
-            if share[e] <= 0:
-                break
-            t = int(np.argmin(np.where(eligible[e], rank_load, np.inf)))
-            after = rank_load.copy()
-            for r in hosts[e]:
-                after[r] -= load[e] / n[e] - load[e] / (n[e] + 1)
-            after[t] += load[e] / (n[e] + 1)
-            if after.max() <= rank_load.max() + 1e-9:  # a replica never makes the busiest rank busier
-                chosen = (int(e), t)
-                break
-        if chosen is None:
-            break
-        e, t = chosen
-        placed.append((e, t))
-        n[e] += 1
+    for e in wanted[np.argsort(-share[wanted], kind="stable")]:
+        ok = (free > 0) & (domain_G == dom_E[e])
+        ok[list(hosts[e])] = False
+        if not ok.any():
+            continue
+        t = int(np.argmin(np.where(ok, rank_load, np.inf)))
+        placed.append((int(e), t))
+        rank_load[t] += share[e]
         free[t] -= 1
         hosts[e].add(t)
     return placed

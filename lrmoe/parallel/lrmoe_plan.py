@@ -219,22 +219,33 @@ def _plan_with_quota(d_GE, q_E, cluster: Cluster, dims: ModelDims, budget, *, fr
     args = (cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, cluster.domain_G,
             instance_bytes(dims, replica=True), budget, min_rows)
     top = math.ceil(cost_G.max(initial=0.0))
+    memo: dict[int, list | None] = {}
+
+    def greedy(tau):
+        if tau not in memo:
+            memo[tau] = _greedy(tau, *args)
+        return memo[tau]
+
     lo, hi = math.floor(cost_G.sum() / G), top
     while lo < hi:  # smallest integer threshold the greedy meets (top always: no replica needed)
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if _greedy(mid, *args) is not None else (mid + 1, hi)
+        lo, hi = (lo, mid) if greedy(mid) is not None else (mid + 1, hi)
     info = {**info, "threshold_cost": hi}
-    plan = _assemble(d_GE, q_E, _greedy(hi, *args), hi, cluster, dims, budget, backward_weight, info)
+    plan = _assemble(d_GE, q_E, greedy(hi), hi, cluster, dims, budget, backward_weight, info)
     if plan.fits or not math.isfinite(budget):
         return plan
+
     # Over the memory budget at the cost-optimal threshold: a higher threshold leaves more slack
     # to move rows off the ranks over the budget (pass 2 of the greedy). Smallest fitting
-    # threshold above it: doubling steps, then bisection (every plan taken fits).
+    # threshold above it: doubling steps, then bisection (every plan taken fits). The largest
+    # threshold is tried first, so quotas that cannot fit at all cost one extra plan only.
     def fitting(tau):
-        reps = _greedy(tau, *args)
+        reps = greedy(tau)
         p = None if reps is None else _assemble(d_GE, q_E, reps, tau, cluster, dims, budget, backward_weight, info)
         return p if p is not None and p.fits else None
 
+    if hi == top or fitting(top) is None:
+        return plan
     bad, step, found = hi, 1, None
     while bad < top and found is None:
         tau = min(bad + step, top)
