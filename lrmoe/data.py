@@ -152,7 +152,7 @@ def load_alpaca_records(source: str | os.PathLike | None = None) -> list[dict]:
 
 def _read_json_records(path: Path) -> list:
     """The records of a local .json/.jsonl file: a JSON array of objects, or one object per line."""
-    text = path.read_text(encoding="utf-8")
+    text = path.read_text(encoding="utf-8-sig")  # a UTF-8 byte-order mark is allowed, as datasets allows it
     try:  # either form in either suffix, as datasets' json loader reads them
         rows = json.loads(text) if text.strip() else []
         if isinstance(rows, dict):

@@ -88,7 +88,8 @@ class BackwardPolicy:
             drop_ratio=self.drop_ratio, scorer=self.scorer, quota=self.quota, mode=self.mode,
             scorer_kwargs=dict(self.scorer_kwargs), quota_kwargs=dict(self.quota_kwargs), backend=self.backend,
             fuse_gather=self.fuse_gather, profile=self.profile, scorer_fn=get_scorer(self.scorer),
-            generator=self.generator(device) if self.selects else None)
+            # (no generator on the meta device: shape-only forwards never score)
+            generator=self.generator(device) if self.selects and torch.device(device).type != "meta" else None)
 
     def generator(self, device: torch.device) -> torch.Generator | None:
         """The seeded generator for ``device`` (created on first use, one stream per device and

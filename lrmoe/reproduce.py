@@ -251,6 +251,9 @@ def torchrun_command(run: RunSpec, run_dir, nproc: int) -> list[str]:
             "--out", str(run_dir), "--no-progress", *train_flags(run.config)]
 
 
+STOP_GRACE_S = 120.0  # how long interrupted workers get to finish their step and checkpoint
+
+
 def _missing_hardware(p: Preset, runs: list[RunSpec]) -> str | None:
     """Why this machine cannot run the preset's torchrun launches (None: it can)."""
     import torch
@@ -413,7 +416,9 @@ def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_r
             import multiprocessing as mp
             from concurrent.futures import ProcessPoolExecutor, as_completed
 
-            def on_term(signum, frame):  # SIGTERM (e.g. a job scheduler): stop the workers too
+            def on_term(signum, frame):  # SIGTERM to this process (e.g. a job scheduler): stop the workers too
+                for child in mp.active_children():  # as Ctrl-C would: each checkpoints at its step boundary
+                    os.kill(child.pid, signal.SIGINT)
                 raise KeyboardInterrupt
 
             prev_term = signal.signal(signal.SIGTERM, on_term) if threading.current_thread() is threading.main_thread() \
@@ -428,9 +433,14 @@ def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_r
                         failures.append((futs[f], repr(e)))
                         bar.write(f"  {futs[f]}: FAILED: {e!r}")
             except KeyboardInterrupt:
-                # the workers would otherwise keep training, orphaned; each resumes from its last
-                # checkpoint on the next call
+                # The workers got SIGINT too (Ctrl-C reaches the process group; SIGTERM is forwarded
+                # above): each finishes its step and writes a checkpoint. Queued runs are cancelled;
+                # a worker that has not exited after a grace period is terminated (it then resumes
+                # from its last periodic checkpoint), so none keeps training orphaned.
                 ex.shutdown(wait=False, cancel_futures=True)
+                deadline = time.monotonic() + STOP_GRACE_S
+                for child in mp.active_children():
+                    child.join(max(0.0, deadline - time.monotonic()))
                 for child in mp.active_children():
                     child.terminate()
                 bar.close()

@@ -65,10 +65,13 @@ class SigmoidTopKRouter(nn.Module):
         # The bias accumulates steps of size ``rate`` (1e-3): in bf16 they round away once |b| >=
         # 0.25, so it stays in float32 when the module is cast to a 16-bit dtype (transformers
         # keeps GLM's bias in float32 too); moving devices and float64 apply as usual.
+        before = self.e_score_correction_bias
         super()._apply(fn, recurse)
-        b = self.e_score_correction_bias
-        if b.dtype in (torch.float16, torch.bfloat16):
-            self.e_score_correction_bias = b.float()
+        after = self.e_score_correction_bias
+        if after.dtype in (torch.float16, torch.bfloat16) and before.dtype not in (torch.float16, torch.bfloat16):
+            self.e_score_correction_bias = before.to(after.device)  # the unrounded values, moved only
+        elif after.dtype in (torch.float16, torch.bfloat16):
+            self.e_score_correction_bias = after.float()
         return self
 
     def forward(self, x_TH: torch.Tensor):

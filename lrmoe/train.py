@@ -840,6 +840,11 @@ def _train(cfg: TrainConfig, out: Path, runner, progress: bool, stop_after: int 
 
     wall0 = time.perf_counter()
     train_set, heldout, data_stats = runner.load_data(cfg)
+    if "source_fingerprint" not in data_stats:  # a file prepared before fingerprints were stored
+        from .data import source_fingerprint
+
+        src = data_stats.get("config", {}).get("source")
+        data_stats["source_fingerprint"] = source_fingerprint(src) if src else None
     vocab = int(data_stats["vocab_size"])
     policy = runner.policy_for_rank(cfg.policy())
     built = {}

@@ -86,6 +86,8 @@ def test_local_files_load_without_the_datasets_package(tmp_path, tiny_records, m
     (tmp_path / "b.jsonl").write_text("{not json\n")
     with pytest.raises(ValueError, match="neither a JSON array nor JSON lines"):
         data.load_alpaca_records(tmp_path / "b.jsonl")
+    (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(recs).encode())  # datasets accepted a BOM
+    assert len(data.load_alpaca_records(tmp_path / "bom.json")) == len(recs)
     (tmp_path / "c.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="expected a JSON array of record objects"):
         data.load_alpaca_records(tmp_path / "c.json")

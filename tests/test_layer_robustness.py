@@ -186,3 +186,24 @@ def test_custom_quota_policy_may_return_numpy_but_not_floats():
     register_quota_policy("review_float", lambda d, n: d.double() * 0.5)
     with pytest.raises(ValueError, match="must return integer quotas"):
         compute_quota(torch.tensor([5, 3, 2]), 0.5, "review_float")
+
+
+def test_seeded_random_policy_forward_on_meta():
+    """The policy snapshot used to create the random scorer's generator on the meta device, which
+    torch refuses: a shape-only forward of a seeded dropping layer failed."""
+    meta = torch.device("meta")
+    layer = LRMoELayer(16, 8, 4, 2, policy=BackwardPolicy(0.5, scorer="random", seed=1)).to(meta, torch.bfloat16)
+    with torch.no_grad():
+        y = layer(torch.randn(5, 16, device=meta, dtype=torch.bfloat16))
+    assert y.device == meta and y.shape == (5, 16)
+
+
+def test_casting_the_router_keeps_its_bias_unrounded():
+    """The bias was cast to bf16 and back: 0.3001 became 0.30078."""
+    layer = LRMoELayer(8, 4, 4, 2, router="sigmoid")
+    values = torch.tensor([0.3001, 1.0009, 2.0007, -0.1234])
+    layer.gate.e_score_correction_bias.copy_(values)
+    layer = layer.to(torch.bfloat16)
+    assert layer.gate.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(layer.gate.e_score_correction_bias, values)
+    assert torch.equal(layer.half().gate.e_score_correction_bias, values)

@@ -123,3 +123,20 @@ def test_one_training_process_per_run_folder(tmp_path):
             pass
     with _run_folder_lock(tmp_path, True):  # released on exit
         pass
+
+
+def test_resume_check_covers_files_prepared_without_a_fingerprint(data_path, tmp_path):
+    """Prepared files from before fingerprints were stored: the check computed nothing and never fired."""
+    records = json.loads(open(data_path).read())
+    src = tmp_path / "a.json"
+    src.write_text(json.dumps(records))
+    c = cfg(str(src), steps=4, warmup_steps=1)
+    path = data.prepare(c.data, c.tokenizer, c.seq_len, c.heldout_fraction, c.data_seed, c.max_records)
+    blob = torch.load(path, weights_only=True)
+    del blob["stats"]["source_fingerprint"]  # as an old cache file
+    torch.save(blob, path)
+    train(c, tmp_path / "run", progress=False, stop_after=2)
+    assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["data_fingerprint"]
+    src.write_text(json.dumps(records[1:]))  # edited in place
+    with pytest.raises(ValueError, match="trained on other data"):
+        train(c, tmp_path / "run", progress=False)
