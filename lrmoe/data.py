@@ -380,7 +380,9 @@ class AlpacaDataset(Dataset):
 def split_records(records: list, heldout_fraction: float = 0.05, seed: int = 0) -> tuple[list, list]:
     """Seeded split by record: (train, held-out), each in the original order.
 
-    The held-out share is round(n * fraction), at least 1 when the fraction is > 0.
+    The held-out share is round(n * fraction) records drawn by the seed, at least 1 when the
+    fraction is > 0, plus every exact copy of a drawn record (a duplicated record in both splits
+    would put training data into the held-out loss; Alpaca samples do hold duplicates).
     """
     if not 0 <= heldout_fraction < 1:
         raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction!r}")
@@ -392,6 +394,13 @@ def split_records(records: list, heldout_fraction: float = 0.05, seed: int = 0) 
         raise ValueError(f"heldout_fraction={heldout_fraction} leaves no training record out of {n}")
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     held = set(perm[:n_held].tolist())
+    if held:
+        keys = [json.dumps(r, sort_keys=True) for r in records]
+        drawn = {keys[i] for i in held}
+        held |= {i for i, k in enumerate(keys) if k in drawn}
+        if len(held) >= n:
+            raise ValueError(f"heldout_fraction={heldout_fraction} leaves no training record out of {n} "
+                             "(the held-out records and their copies are all of them)")
     return [r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held]
 
 
@@ -455,8 +464,9 @@ def build_alpaca_splits(
 
 
 # Version of the tokenised/packed layout: part of the cache key, bumped whenever the data code
-# changes what it writes (2: rows overlap by one token), so no stale cache outlives a fix.
-PACKED_FORMAT = 2
+# changes what it writes (2: rows overlap by one token; 3: copies of held-out records are held
+# out too), so no stale cache outlives a fix.
+PACKED_FORMAT = 3
 
 
 def source_fingerprint(source: str) -> str | None:

@@ -119,6 +119,14 @@ def test_split_is_disjoint_and_covers_records():
     assert not set(ti) & set(hi)
 
 
+def test_copies_of_held_out_records_are_held_out():
+    """A record duplicated across the splits put training data into the held-out loss."""
+    recs = [{"instruction": str(i % 20), "input": "", "output": "o"} for i in range(50)]  # 2-3 copies each
+    tr, he = data.split_records(recs, 0.1, 3)
+    assert len(he) > 5 and len(tr) + len(he) == 50  # 5 drawn, plus their copies
+    assert not {r["instruction"] for r in tr} & {r["instruction"] for r in he}
+
+
 # ------------------------------------------------------------------------- tables (real runs)
 
 
