@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lrmoe.bench.common import environment, markdown_table, median, timed, write_json  # noqa: E402
+from lrmoe.bench.common import environment, markdown_table, median, rel_err, timed, write_json  # noqa: E402
 from lrmoe.bench.layer import DTYPES, SHAPES  # noqa: E402
 from lrmoe.kernels import grouped_mm  # noqa: E402
 
@@ -49,12 +49,6 @@ def cases(shape, fraction, dtype, device, backend):
     # checked once before timing against the per-group torch.mm loop on the same operands
     errs = {g: rel_err(fns[g](), ref[g]()) for g in GEMMS} if backend != "loop" else dict.fromkeys(GEMMS, 0.0)
     return n, fns, errs
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b| (float32)."""
-    a, b = a.float(), b.float()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) if b.numel() else 0.0
 
 
 def main(argv=None) -> int:

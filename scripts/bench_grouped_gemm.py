@@ -30,7 +30,7 @@ if not torch.cuda.is_available():  # the Triton kernels run under the interprete
 import torch.nn.functional as F  # noqa: E402
 
 from lrmoe import BackwardPolicy, lrmoe_experts  # noqa: E402
-from lrmoe.bench.common import environment, markdown_table, median, write_json  # noqa: E402
+from lrmoe.bench.common import environment, markdown_table, median, rel_err, write_json  # noqa: E402
 from lrmoe.kernels import triton_grouped_gemm as tgg  # noqa: E402
 from lrmoe.quota import quota_for, retained_total  # noqa: E402
 
@@ -102,14 +102,6 @@ def bench_interleaved(fns, device, reps: int, warmup: int = 2) -> list[list[floa
 def bench(fn, device, reps: int) -> float:
     """Median seconds of fn() (see :func:`bench_interleaved`)."""
     return median(bench_interleaved([fn], device, reps)[0])
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b| in float32 (inf when a holds NaN/Inf that b does not)."""
-    a, b = a.float(), b.float()
-    if not torch.isfinite(a).all() and torch.isfinite(b).all():
-        return float("inf")
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) if b.numel() else 0.0
 
 
 TOL = 2e-2  # bf16 results against a reference computed in bf16 by another kernel

@@ -60,6 +60,13 @@ def test_float32_layer_with_a_size_one_dimension(H, I):
 
 # --- copies and pickles of a used layer --------------------------------------------------------
 
+def pickle_roundtrip(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
 def test_deepcopy_and_pickle_after_backward():
     """An EMA / reference copy or ``torch.save(layer)`` after training steps: the last call's router
     logits belong to its autograd graph and the record's callback to the module, not to copies."""
@@ -68,25 +75,13 @@ def test_deepcopy_and_pickle_after_backward():
     x = torch.randn(6, 8)
     layer(x).sum().backward()
     assert layer.last_backward is not None and layer.last_router_logits is not None
-    twin = copy.deepcopy(layer)
-    buf = io.BytesIO()
-    torch.save(layer, buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
-    for other in (twin, loaded):
+    for other in (copy.deepcopy(layer), pickle_roundtrip(layer)):
         assert other.last_backward is None and other.last_router_logits is None
         torch.testing.assert_close(other(x), layer(x), rtol=0, atol=0)
         other(x).sum().backward()  # the copy records its own backward
         assert other.last_backward is not None and other.last_backward.filled
     rec = pickle_roundtrip(layer.last_backward)
     assert rec.filled and torch.equal(rec.kept, layer.last_backward.kept)
-
-
-def pickle_roundtrip(obj):
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=False)
 
 
 # --- sigmoid router bias ------------------------------------------------------------------------

@@ -2,8 +2,6 @@
 tokens, resuming on other data, a prepared file named by the caller, config checks (overrides,
 ignored flags, tokenizer spec, vocabulary), the CLI's error exits, the end of a short cosine."""
 import json
-import shutil
-import sys
 from types import SimpleNamespace
 
 import pytest

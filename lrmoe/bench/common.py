@@ -77,6 +77,15 @@ def environment(device: torch.device) -> dict:
     return env
 
 
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| in float32: how far a result is from its reference (the benchmarks
+    check every timed result with it first); inf when ``a`` holds a NaN/Inf that ``b`` does not."""
+    a, b = a.float(), b.float()
+    if not torch.isfinite(a).all() and torch.isfinite(b).all():
+        return float("inf")
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) if b.numel() else 0.0
+
+
 def write_json(path: Path, payload: dict) -> Path:
     """Atomic write (a killed run never leaves a half-written file)."""
     return write_text(path, json.dumps(payload, indent=2, default=str))

@@ -21,7 +21,7 @@ import torch
 
 from ..layer import LRMoELayer
 from ..policy import BackwardPolicy
-from .common import environment, markdown_table, median, timed, write_json
+from .common import environment, markdown_table, median, rel_err, timed, write_json
 
 SHAPES = {  # name: (T, H, I, E, K)
     "cpu-small": (4096, 512, 256, 16, 4),
@@ -73,12 +73,6 @@ def run_once(module, x, dy, device):
     out["fwd"] = timed(fwd, device)
     out["bwd"] = timed(lambda: y.backward(dy), device)
     return out
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b| in float32."""
-    a, b = a.float(), b.float()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) if b.numel() else 0.0
 
 
 def check_against_hf(hf, ours, x, dy) -> dict[str, float]:

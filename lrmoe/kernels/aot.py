@@ -25,8 +25,6 @@ import dataclasses
 import io
 from typing import Callable
 
-import torch
-
 # Largest shared memory one block may use (opt-in), in bytes, per compute capability (CUDA
 # programming guide, "Technical specifications per compute capability"); unknown ones: not judged.
 SHARED_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 103: 232448,
