@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from lrmoe.parallel.plan import cap_rows, make_plan, owner_instances, register_placement, resolve_budget
+from lrmoe.planning.plan import cap_rows, make_plan, owner_instances, resolve_budget
 
 
 def megatron_capacity(demand_GE: np.ndarray, capacity_factor: float) -> np.ndarray:
@@ -21,7 +21,6 @@ def megatron_capacity(demand_GE: np.ndarray, capacity_factor: float) -> np.ndarr
     return np.array([math.ceil(int(p) * capacity_factor / E) for p in demand_GE.sum(1)], dtype=np.int64)
 
 
-@register_placement("fixed")
 def plan_fixed(demand_GE, cluster, dims, budget_bytes, *, state=None, capacity_factor: float | None = None,
                fallback: str = "split", max_split: int = 256):
     """Fixed ownership. capacity_factor: None (dropless, Megatron's default) or > 0.

@@ -20,7 +20,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from lrmoe.parallel.plan import (Instance, cap_rows, largest_remainder, make_plan, prefix_split, register_placement,
+from lrmoe.planning.plan import (Instance, cap_rows, largest_remainder, make_plan, prefix_split,
                                  resolve_budget)
 
 
@@ -82,7 +82,6 @@ def symi_instances(slot_counts_E, slots_per_rank: int) -> list[Instance]:
             for j, (e, f) in enumerate(zip(experts, first))]
 
 
-@register_placement("symi")
 def plan_symi(demand_GE, cluster, dims, budget_bytes, *, state: SymiState | None = None,
               capacity_factor: float | None = 1.0, fallback: str = "split", max_split: int = 256):
     """SYMI placement from the previous step's popularity. capacity_factor: 1.0 (SYMI's setting:

@@ -4,7 +4,7 @@
 slots. On this step's exact load it binary-searches the smallest per-rank load threshold tau
 that its greedy quota solver (:func:`ultraep_feasible`) can meet, adds the replicas that solver
 chose, and splits each expert's pairs over its instances locality-first
-(:func:`lrmoe.parallel.plan.locality_split`). Replicas stay inside the master's fast domain,
+(:func:`lrmoe.planning.plan.locality_split`). Replicas stay inside the master's fast domain,
 at most one copy of an expert per rank, and carry weights and gradients but no optimizer state.
 
 "ultraep_greedy": UltraEP's simpler EPLB-like fallback (:func:`eplb_replicas`).
@@ -18,8 +18,8 @@ import math
 
 import numpy as np
 
-from lrmoe.parallel.plan import (cap_rows, largest_remainder, locality_split, make_plan, owned_layout,
-                                 register_placement, replica_instances, resolve_budget)
+from lrmoe.planning.plan import (cap_rows, largest_remainder, locality_split, make_plan, owned_layout,
+                                 replica_instances, resolve_budget)
 
 Replica = tuple[int, int, int]  # (expert, host rank, quota rows)
 
@@ -175,7 +175,6 @@ def _check_common(cluster, dims, policy, redundant_slots):
     return np.full(cluster.num_ranks, R, dtype=np.int64), np.arange(dims.num_experts) // epr
 
 
-@register_placement("ultraep")
 def plan_ultraep(demand_GE, cluster, dims, budget_bytes, *, state=None, min_tokens: int = 1024,
                  redundant_slots: int | None = None, fast_path: bool = True, overshoot: bool = True,
                  fallback: str = "split", max_split: int = 256):
@@ -203,7 +202,6 @@ def plan_ultraep(demand_GE, cluster, dims, budget_bytes, *, state=None, min_toke
     return resolve_budget(build, demand_GE, budget_bytes, fallback, max_split)
 
 
-@register_placement("ultraep_greedy")
 def plan_ultraep_greedy(demand_GE, cluster, dims, budget_bytes, *, state=None, redundant_slots: int | None = None,
                         fallback: str = "split", max_split: int = 256):
     """UltraEP's EPLB-like greedy fallback; each expert's load split evenly over its instances."""

@@ -7,10 +7,24 @@ Public API::
     from lrmoe.scorers import register_scorer
     from lrmoe.quota import register_quota_policy
     from lrmoe.kernels import grouped_mm
+
+The names above are imported on first use, so ``import lrmoe.planning`` (numpy only) does not
+load torch. docs/architecture.md shows the layers and where each part lives.
 """
-from .experts import lrmoe_experts
-from .layer import LRMoEExperts, LRMoELayer, SwiGLUMLP
-from .policy import BackwardPolicy, BackwardRecord
+import importlib
 
 __version__ = "0.1.0"
-__all__ = ["LRMoELayer", "LRMoEExperts", "SwiGLUMLP", "BackwardPolicy", "BackwardRecord", "lrmoe_experts"]
+
+_LAZY = {"LRMoELayer": "lrmoe.layer", "LRMoEExperts": "lrmoe.layer", "SwiGLUMLP": "lrmoe.layer",
+         "BackwardPolicy": "lrmoe.policy", "BackwardRecord": "lrmoe.policy", "lrmoe_experts": "lrmoe.experts"}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -14,11 +14,9 @@ import sys
 # subcommand -> module defining register_cli(subparsers)
 COMMANDS = {
     "bench": "lrmoe.bench.cli",
-    "train": "lrmoe.train",
+    "train": "lrmoe.train.loop",
     "reproduce": "lrmoe.reproduce",
     "figures": "paper_figures.cli",
-    "ablate": "ablations.cli",
-    "simulate": "lrmoe.sim.cli",
 }
 
 

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .train import TrainConfig, _read_json, config_differences, run_status
+from .train.loop import TrainConfig, _read_json, config_differences, run_status
 
 DROPS_E1 = (0.0, 0.1, 0.2, 0.3)
 SCORERS_E2 = ("lrm", "grad_norm", "abs_grad", "random")
@@ -204,7 +204,7 @@ def _run_one(spec: dict, out_dir: str, progress: bool) -> dict:
         import torch
 
         torch.set_num_threads(cfg.threads)
-    from .train import train
+    from .train.loop import train
 
     t0 = time.perf_counter()
     s = train(cfg, out_dir, progress=progress)
@@ -214,7 +214,7 @@ def _run_one(spec: dict, out_dir: str, progress: bool) -> dict:
 
 def _prepare_data(runs: list[RunSpec]) -> None:
     """Tokenise/pack each distinct data config once before the workers start."""
-    from .train import load_data
+    from .train.loop import load_data
 
     seen = set()
     for r in runs:
@@ -274,7 +274,7 @@ def _launch_torchrun(p: Preset, out: Path, all_runs: list[RunSpec], runs: list[R
     import shlex
     import subprocess
 
-    from .bench.common import write_json
+    from .files import write_json
 
     cmds = [(r, torchrun_command(r, out / r.name, p.nproc)) for r in pending]
     if cmds:
@@ -302,7 +302,7 @@ def _launch_torchrun(p: Preset, out: Path, all_runs: list[RunSpec], runs: list[R
 
 def _finish(p, out, runs, pending, failures, wall, jobs, only, figures) -> int:
     """reproduce.json, then the figures; the exit code."""
-    from .bench.common import write_json
+    from .files import write_json
 
     prev = {}
     try:
@@ -328,8 +328,8 @@ def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_r
     run and runs them one after another when the machine has the GPUs (status 2 otherwise). Under
     torchrun (``torchrun ... -m lrmoe.cli reproduce ...``), every rank runs the pending runs in
     this process, one after another, over one process group; rank 0 writes the files."""
-    from .bench.common import write_json
-    from .parallel.train_ep import world_size_from_env
+    from .files import write_json
+    from .train.ep import world_size_from_env
 
     if isinstance(preset, str) and preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; accepted: {list(PRESETS)}")
@@ -462,7 +462,7 @@ def _init_group(runs: list[RunSpec]):
     """Under torchrun: the process group of every run of this process (a process group cannot be
     created again after it was destroyed); returns the function that destroys it."""
     from .parallel.launch import init_distributed, shutdown
-    from .train import resolve_device
+    from .train.loop import resolve_device
 
     cuda = any(resolve_device(r.train_config().device).type == "cuda" for r in runs)
     init_distributed(backend="nccl" if cuda else "gloo")

@@ -26,8 +26,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Callable
 
-from lrmoe.bench.common import write_text
-from lrmoe.train import read_metrics  # the reader the training loop uses (tolerates a torn last line)
+from lrmoe.files import write_text
+from lrmoe.files import read_jsonl as read_metrics  # only a torn last line is dropped
 
 PAPER_NUMBERS = Path(__file__).with_name("paper_numbers.json")
 FAMILY_NAMES = {"qwen3": "Qwen3-MoE", "glm4": "GLM-4.5-MoE"}
@@ -163,7 +163,7 @@ class Results:
         return list(self.preset.get(key, default))
 
     def hardware(self) -> str:
-        from lrmoe.train import hardware_label
+        from lrmoe.environment import hardware_label
 
         labels = sorted({hardware_label(r.summary.get("environment", {}), r.summary.get("distributed"))
                          for r in self.runs.values() if r.done})
@@ -242,7 +242,7 @@ def register(key: str, kind: str, title: str, fn: Callable | None = None, needs:
 register("T3", "table", "Time to a fixed loss target (cumulative MoE-layer time) per method and model",
          needs="expert-parallel training runs of every method on GPUs (the runtime and baselines exist: `lrmoe train --ep N --placement ...`; no preset runs them yet)")
 register("T4", "table", "Memory breakdown per method (expert placement + replicas + token buffers)",
-         needs="a table maker over the memory model (`lrmoe.parallel.memory`, `scripts/bench_ep.py` reports it per plan) at the paper's shapes; not written yet")
+         needs="a table maker over the memory model (`lrmoe.planning.memory`, `scripts/bench_ep.py` reports it per plan) at the paper's shapes; not written yet")
 register("T5", "table", "Backward execution latency per MoE layer",
          needs="the layer benchmark at the paper's shapes on a GPU (`scripts/gpu_check.sh`)")
 register("F3", "figure", "Effective throughput vs batch-size pressure (1x-20x) per method",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lrmoe.bench.common import write_text
+from lrmoe.files import write_text
 
 from . import FAMILY_NAMES, NOT_RUN, Results, level_name, mean_std, register
 

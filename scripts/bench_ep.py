@@ -35,7 +35,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from lrmoe import BackwardPolicy  # noqa: E402
-from lrmoe.bench.common import environment, median, write_json  # noqa: E402
+from lrmoe.environment import environment  # noqa: E402
+from lrmoe.files import write_json  # noqa: E402
+from lrmoe.bench.common import median  # noqa: E402
 from lrmoe.kernels.routing import select_top_quota  # noqa: E402
 from lrmoe.parallel.launch import init_distributed, shutdown  # noqa: E402
 from lrmoe.parallel.runtime import BACKWARD_ROW_KEYS, ExpertParallel, ExpertParallelExperts  # noqa: E402

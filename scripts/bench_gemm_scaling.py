@@ -22,7 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lrmoe.bench.common import environment, markdown_table, median, rel_err, timed, write_json  # noqa: E402
+from lrmoe.environment import environment  # noqa: E402
+from lrmoe.files import write_json  # noqa: E402
+from lrmoe.bench.common import markdown_table, median, rel_err, timed  # noqa: E402
 from lrmoe.bench.layer import DTYPES, SHAPES  # noqa: E402
 from lrmoe.kernels import grouped_mm  # noqa: E402
 

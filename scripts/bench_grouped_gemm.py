@@ -30,7 +30,9 @@ if not torch.cuda.is_available():  # the Triton kernels run under the interprete
 import torch.nn.functional as F  # noqa: E402
 
 from lrmoe import BackwardPolicy, lrmoe_experts  # noqa: E402
-from lrmoe.bench.common import environment, markdown_table, median, rel_err, write_json  # noqa: E402
+from lrmoe.environment import environment  # noqa: E402
+from lrmoe.files import write_json  # noqa: E402
+from lrmoe.bench.common import markdown_table, median, rel_err  # noqa: E402
 from lrmoe.kernels import triton_grouped_gemm as tgg  # noqa: E402
 from lrmoe.quota import quota_for, retained_total  # noqa: E402
 

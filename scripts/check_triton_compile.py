@@ -42,7 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from lrmoe.bench.common import environment, markdown_table, write_json  # noqa: E402
+from lrmoe.environment import environment  # noqa: E402
+from lrmoe.files import write_json  # noqa: E402
+from lrmoe.bench.common import markdown_table  # noqa: E402
 from lrmoe.kernels import aot  # noqa: E402
 from lrmoe.kernels import triton_grouped_gemm as tgg  # noqa: E402
 

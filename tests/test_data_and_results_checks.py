@@ -44,7 +44,7 @@ def _need(*paths):
 
 def _trained_targets(packed):
     """Label positions that reach the loss under the training loop's convention
-    (lrmoe/train.py::_token_loss: logits[:, :-1] vs labels[:, 1:], i.e. label at row position 0 is
+    (lrmoe/train/::_token_loss: logits[:, :-1] vs labels[:, 1:], i.e. label at row position 0 is
     never used)."""
     return int((packed["labels"][:, 1:] != IGNORE_INDEX).sum())
 

@@ -22,9 +22,9 @@ def _worker(rank, G, port, out_dir):
     try:
         import lrmoe.hf as hf
         from lrmoe import BackwardPolicy
-        from lrmoe.parallel import hf as ep_hf
+        from lrmoe.hf import parallel as ep_hf
         from lrmoe.parallel import launch
-        from lrmoe.parallel.train_ep import DistributedRunner
+        from lrmoe.train.ep import DistributedRunner
 
         torch.set_num_threads(1)
         torchrun_env(rank, G, port)

@@ -100,7 +100,7 @@ def run_case(case, rank, G, seed):
     El = E // G
     budget = float("inf")
     if name.endswith("split"):  # a budget between the piece of 2 and the whole step: split_microbatch
-        from lrmoe.parallel import plan_placement
+        from lrmoe.planning.policies import plan_placement
 
         ep0 = ExpertParallel(E, None, placement, **options)
         demand = np.stack([np.bincount(idx[a:b].reshape(-1).numpy(), minlength=E) for a, b in bounds(tokens)])
@@ -138,7 +138,7 @@ def run_hf_case(rank, G):
     model in one process: loss, every gradient after the data-parallel sync, the global gradient
     norm and the gathered state dict."""
     import lrmoe.hf as hf
-    from lrmoe.parallel import hf as ep_hf
+    from lrmoe.hf import parallel as ep_hf
 
     ids = torch.randint(0, HF_VOCAB, (HF_SEQS, HF_LEN), generator=torch.Generator().manual_seed(7))
     ref = hf.build_model("qwen3-moe-tiny", vocab_size=HF_VOCAB, seed=5, dtype=f64)
@@ -464,7 +464,8 @@ def test_last_forward_bytes_cover_the_whole_call(results, G):
 def test_selection_quotas_pass_the_drop_ratio():
     """Baseline placements at C>0 get the single-process layer's quotas, proportional policy
     included (which targets (1 - rho) d_e and needs rho, not n_keep / P)."""
-    from lrmoe.parallel import Cluster, ModelDims, plan_placement
+    from lrmoe.planning import Cluster, ModelDims
+    from lrmoe.planning.policies import plan_placement
     from lrmoe.parallel.runtime import selection_quotas
     from lrmoe.quota import compute_quota
 

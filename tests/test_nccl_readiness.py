@@ -209,7 +209,7 @@ def run_ep_case(case, rank, G):
     if name.endswith("split"):  # a budget between the piece of 2 and the whole step: split_microbatch
         import numpy as np
 
-        from lrmoe.parallel import plan_placement
+        from lrmoe.planning.policies import plan_placement
 
         ep0 = ExpertParallel(E, None, placement, **options)
         off = [0, tokens[0], sum(tokens)]
@@ -231,7 +231,7 @@ def run_ep_case(case, rank, G):
 
 def run_hf_case(rank, G):
     import lrmoe.hf as hf
-    from lrmoe.parallel import hf as ep_hf
+    from lrmoe.hf import parallel as ep_hf
 
     vocab, seqs, length = 61, 4, 10
     ids = torch.randint(0, vocab, (seqs, length), generator=torch.Generator().manual_seed(7))
@@ -480,7 +480,7 @@ class _Stop(Exception):
 def test_clip_norm_all_reduce_on_the_model_device_without_gradients(monkeypatch):
     """A rank without gradients still all-reduces on the model's device (NCCL: CUDA only), not on
     the CPU. The model sits on 'meta' here to tell the devices apart; the all-reduce is stopped."""
-    from lrmoe.parallel import hf as ep_hf
+    from lrmoe.hf import parallel as ep_hf
     from lrmoe.parallel.runtime import _mark
 
     model = torch.nn.Linear(4, 4, device="meta")

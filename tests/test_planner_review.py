@@ -8,9 +8,10 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-import lrmoe.parallel.lrmoe_plan as L
+import lrmoe.planning.lrmoe_plan as L
 from baselines.symi import symi_slot_counts
-from lrmoe.parallel import Cluster, ModelDims, plan_placement
+from lrmoe.planning import Cluster, ModelDims
+from lrmoe.planning.policies import plan_placement
 
 
 # --- LRMoE: the threshold with a replica floor --------------------------------------------------

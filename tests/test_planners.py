@@ -9,10 +9,11 @@ import pytest
 from baselines.megatron import megatron_capacity
 from baselines.symi import SymiState, symi_slot_counts
 from baselines.ultraep import ultraep_feasible, ultraep_threshold
-from lrmoe.parallel import Cluster, ModelDims, placement_policies, plan_placement, register_placement
-from lrmoe.parallel import plan as plan_mod
-from lrmoe.parallel.plan import largest_remainder
-from lrmoe.parallel.memory import instance_bytes
+from lrmoe.planning import Cluster, ModelDims
+from lrmoe.planning.policies import placement_policies, plan_placement, register_placement, unregister_placement
+from lrmoe.planning import plan as plan_mod
+from lrmoe.planning.plan import largest_remainder
+from lrmoe.planning.memory import instance_bytes
 from lrmoe.quota import compute_quota, retained_total
 
 DIMS = ModelDims(hidden=64, intermediate=32, num_experts=8, top_k=2)
@@ -66,8 +67,7 @@ def test_registry_lists_builtins_and_rejects_unknown():
         plan_placement("nope", np.zeros((4, 8)), CLUSTER, DIMS, 1e9)
 
 
-def test_register_custom_policy(monkeypatch):
-    monkeypatch.setattr(plan_mod._PLANNERS, "_fns", dict(plan_mod._PLANNERS._fns))  # undone after the test
+def test_register_custom_policy():
     calls = []
 
     @register_placement("mine")
@@ -75,11 +75,19 @@ def test_register_custom_policy(monkeypatch):
         calls.append(knob)
         return plan_placement("fixed", demand_GE, cluster, dims, budget_bytes)
 
-    assert "mine" in placement_policies()
-    plan_placement("mine", np.ones((4, 8), dtype=int), CLUSTER, DIMS, 1e9, knob=3)
-    assert calls == [3]
-    with pytest.raises(ValueError, match=r"unknown options \['other'\]; accepted: \['knob'\]"):
-        plan_placement("mine", np.ones((4, 8), dtype=int), CLUSTER, DIMS, 1e9, other=1)
+    try:
+        assert "mine" in placement_policies()
+        plan_placement("mine", np.ones((4, 8), dtype=int), CLUSTER, DIMS, 1e9, knob=3)
+        assert calls == [3]
+        with pytest.raises(ValueError, match=r"unknown options \['other'\]; accepted: \['knob'\]"):
+            plan_placement("mine", np.ones((4, 8), dtype=int), CLUSTER, DIMS, 1e9, other=1)
+        with pytest.raises(ValueError, match="'mine' is already registered.*override=True"):
+            register_placement("mine", lambda *a, **k: None)
+        with pytest.raises(ValueError, match="'fixed' is already registered"):
+            register_placement("fixed", mine)
+    finally:
+        unregister_placement("mine")
+    assert "mine" not in placement_policies()
 
 
 @pytest.mark.parametrize("args, match", [

@@ -192,7 +192,7 @@ def test_an_ignored_sigint_stays_ignored(data_path, tmp_path, monkeypatch, sigin
 def test_ctrl_c_during_evaluation_keeps_every_metrics_row(data_path, tmp_path, monkeypatch, sigint_handler):
     """Ctrl-C during the evaluation of step 2: the step (with its eval) completes, its row is
     written, the checkpoint is at step 2, and the resumed file has one row per step."""
-    import lrmoe.train as T
+    import lrmoe.train.loop as T
 
     c = cfg(data_path, steps=4, eval_interval=2)
     with monkeypatch.context() as mp:

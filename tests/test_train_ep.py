@@ -157,7 +157,7 @@ def test_ep_resume_reproduces_the_uninterrupted_run(runs):
 
 def test_launch_errors(tmp_path, monkeypatch, capsys):
     from lrmoe.cli import main
-    from lrmoe.parallel.train_ep import check_launch
+    from lrmoe.train.ep import check_launch
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
@@ -180,7 +180,7 @@ def test_launch_errors(tmp_path, monkeypatch, capsys):
 def test_cli_ep_flags():
     import argparse
 
-    from lrmoe.train import config_from_args, register_cli
+    from lrmoe.train.loop import config_from_args, register_cli
 
     ap = argparse.ArgumentParser()
     register_cli(ap.add_subparsers(dest="command"))
@@ -197,7 +197,7 @@ def test_paper_commands_rebuild_each_run_config():
     import shlex
 
     from lrmoe.reproduce import plan, torchrun_command
-    from lrmoe.train import config_from_args, register_cli
+    from lrmoe.train.loop import config_from_args, register_cli
 
     ap = argparse.ArgumentParser()
     register_cli(ap.add_subparsers(dest="command"))
@@ -249,7 +249,7 @@ def test_random_scorer_streams_differ_per_rank():
     from lrmoe import BackwardPolicy
     import torch
 
-    from lrmoe.parallel.train_ep import DistributedRunner, rank_seed
+    from lrmoe.train.ep import DistributedRunner, rank_seed
 
     seeds = [rank_seed(5, r) for r in range(8)]
     assert seeds[0] == 5 and len(set(seeds)) == 8 and seeds == [rank_seed(5, r) for r in range(8)]

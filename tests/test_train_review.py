@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lrmoe import data
-from lrmoe.train import TrainConfig, _cli, lr_factor, read_metrics, train
+from lrmoe.train.loop import TrainConfig, _cli, lr_factor, read_metrics, train
 
 from test_train import _isolated_caches, cfg, data_path  # noqa: F401 (fixtures)
 
@@ -111,7 +111,7 @@ def test_cosine_ends_at_min_lr_right_after_warmup(steps, warmup):
 
 def test_one_training_process_per_run_folder(tmp_path):
     """A second process (e.g. a second `lrmoe reproduce` while orphaned workers still train) is refused."""
-    from lrmoe.train import _run_folder_lock
+    from lrmoe.run_folder import run_folder_lock as _run_folder_lock
 
     with _run_folder_lock(tmp_path, True):
         with pytest.raises(ValueError, match="being trained by another process"):

@@ -21,7 +21,9 @@ import torch
 
 from ..layer import LRMoELayer
 from ..policy import BackwardPolicy
-from .common import environment, markdown_table, median, rel_err, timed, write_json
+from ..environment import environment
+from ..files import write_json
+from .common import markdown_table, median, rel_err, timed
 
 SHAPES = {  # name: (T, H, I, E, K)
     "cpu-small": (4096, 512, 256, 16, 4),

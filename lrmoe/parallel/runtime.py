@@ -53,8 +53,9 @@ from ..experts import (Stopwatch, acc_dtype, autocast_inputs, autocast_off, buff
 from ..kernels.grouped_gemm import grouped_mm
 from ..kernels.routing import select_top_quota, sort_pairs_by_expert, sum_rows_by_token
 from ..policy import BackwardPolicy, BackwardRecord, check_policy
-from .memory import plan_memory
-from .plan import Cluster, ModelDims, Plan, expert_sum, get_placement, largest_remainder, plan_placement
+from ..planning.memory import plan_memory
+from ..planning.plan import Cluster, ModelDims, Plan, expert_sum, largest_remainder
+from ..planning.policies import get_placement, plan_placement
 
 __all__ = ["EPCommunicationError", "EPOutOfMemoryError", "ExpertParallel", "ExpertParallelExperts", "ep_experts",
            "selection_quotas", "finish_grad_sync", "broadcast_dense_params", "is_expert_parallel_param",
@@ -92,7 +93,7 @@ class ExpertParallel:
     """Settings and state of one expert-parallel MoE layer (one per layer: SYMI keeps state).
 
     num_experts: E (global); group: the EP process group (None: the default group);
-    placement: a registered placement policy (``lrmoe.parallel.placement_policies()``);
+    placement: a registered placement policy (``lrmoe.planning.policies.placement_policies()``);
     budget_bytes: this layer's per-rank memory budget for the planner (inf: none);
     slots_per_rank: S expert slots per rank, owned ones included (default E/G + 2; E/G: no replicas);
     fast_domains: rank groups that share a fast interconnect (None: all ranks);

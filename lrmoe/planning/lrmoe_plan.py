@@ -29,7 +29,7 @@ slot and memory headroom; a replica carries at least ``min_rows`` rows) brings e
 cost <= tau; the slack left is then used to move rows off ranks still over the memory budget. If
 the plan is still over the budget, tau is raised to the smallest threshold whose plan fits (more
 slack, more rows moved off those ranks) before any quota shrinks. Pairs are routed locality-first
-(:func:`lrmoe.parallel.plan.locality_split`), each instance receiving exactly its row capacity;
+(:func:`lrmoe.planning.plan.locality_split`), each instance receiving exactly its row capacity;
 backward quotas per (source, instance) are proportional to the pairs sent.
 
 Under memory pressure quotas shrink (``fallback == "shrink_quota"``, bisection on n_keep down to
@@ -47,7 +47,7 @@ import torch
 
 from ..quota import check_drop_ratio, compute_quota, quota_for, retained_total
 from .memory import instance_bytes, token_row_bytes
-from .plan import (Cluster, ModelDims, largest_remainder, locality_split, make_plan, owned_layout, register_placement,
+from .plan import (Cluster, ModelDims, largest_remainder, locality_split, make_plan, owned_layout,
                    replica_instances, resolve_budget)
 
 _EPS = 1e-9
@@ -287,7 +287,6 @@ def _assemble(d_GE, q_E, replicas, tau, cluster: Cluster, dims: ModelDims, budge
     return make_plan("lrmoe", d_GE, cluster, dims, budget, instances, send, quota, info=info)
 
 
-@register_placement("lrmoe")
 def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio: float = 0.0,
                quota_policy: str = "waterfill", quota_options: dict | None = None, replica_slots: int | None = None,
                backward_weight: float = 2.0, min_rows: int = 1, max_drop_ratio: float = 0.9,

@@ -7,7 +7,7 @@ A planner maps this step's per-rank per-expert routed demand to a :class:`Plan`:
 * ``demand_GE[r, e]``: routed (token, expert) pairs of expert e that originate on rank r.
 * ``cluster``: G ranks, S expert slots per rank, fast-interconnect domains (:class:`Cluster`).
 * ``dims``: model dimensions and byte sizes (:class:`ModelDims`).
-* ``budget_bytes``: what this MoE layer may use per GPU (see :mod:`lrmoe.parallel.memory`).
+* ``budget_bytes``: what this MoE layer may use per GPU (see :mod:`lrmoe.planning.memory`).
 * ``state``: planners are pure; a stateful one (SYMI, which plans from the *previous* step's
   popularity) returns the state for the next call in ``plan.state``. Pass ``state=None`` on
   the first step. Stateless planners return ``state=None``.
@@ -20,27 +20,23 @@ does not fit the budget the plan says so (``over_budget``) and carries what the 
 ``drop_over_capacity`` (a per-instance row cap), ``shrink_quota`` (LRMoE keeps fewer pairs in
 backward) or ``oom`` (nothing fits: the real system fails).
 
-Policies register themselves with :func:`register_placement`; the built-in ones live in
-``baselines/`` (fixed, symi, ultraep, ultraep_greedy) and :mod:`lrmoe.parallel.lrmoe_plan`
-(lrmoe), and are imported on first use. This module also holds the small routing helpers the
-planners share (largest-remainder splits, capacity caps, the budget fallbacks).
+This module holds the interface types and the small routing helpers the planners share
+(largest-remainder splits, capacity caps, the budget fallbacks). The registry of policies and
+:func:`plan_placement` live in :mod:`lrmoe.planning.policies`; the built-in policies in
+``baselines/`` (fixed, symi, ultraep, ultraep_greedy) and :mod:`lrmoe.planning.lrmoe_plan` (lrmoe).
 """
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 
-from ..registry import Registry
 from .memory import MemoryBreakdown, plan_memory
 
-__all__ = ["Cluster", "ModelDims", "Instance", "Plan", "MemoryBreakdown", "register_placement",
-           "get_placement", "placement_policies", "plan_placement"]
+__all__ = ["Cluster", "ModelDims", "Instance", "Plan", "MemoryBreakdown", "check_inputs"]
 
 
 # ----------------------------------------------------------------------------- descriptions
@@ -224,25 +220,6 @@ class Plan:
 
 
 PlanFn = Callable[..., Plan]
-# Imported on first use (they import this module). The baseline submodules are named one by one so
-# that registration also works where ``baselines`` resolves as a namespace package (an editable
-# install made before baselines/__init__.py existed).
-_BUILTIN_MODULES = ("baselines.megatron", "baselines.symi", "baselines.ultraep", "lrmoe.parallel.lrmoe_plan")
-
-
-# ----------------------------------------------------------------------------- registry
-def _load_builtin() -> None:
-    for module in _BUILTIN_MODULES:
-        importlib.import_module(module)
-
-
-_PLANNERS = Registry("placement policy", loader=_load_builtin)
-#: ``register_placement(name, fn)`` or ``@register_placement(name)``:
-#: ``fn(demand_GE, cluster, dims, budget_bytes, *, state=None, **options) -> Plan``.
-register_placement = _PLANNERS.register
-#: Names of the registered placement policies (built-in ones included).
-placement_policies = _PLANNERS.names
-get_placement = _PLANNERS.get
 
 
 def check_inputs(demand_GE, cluster: Cluster, dims: ModelDims, budget_bytes) -> np.ndarray:
@@ -264,20 +241,6 @@ def check_inputs(demand_GE, cluster: Cluster, dims: ModelDims, budget_bytes) -> 
             or math.isnan(budget_bytes) or budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be a number > 0 (math.inf for no budget), got {budget_bytes!r}")
     return d.astype(np.int64)
-
-
-def plan_placement(name: str, demand_GE, cluster: Cluster, dims: ModelDims, budget_bytes: float, *,
-                   state: Any = None, **options) -> Plan:
-    """Plan one step of one MoE layer with the registered policy ``name`` (see module docstring)."""
-    fn = get_placement(name)
-    demand_GE = check_inputs(demand_GE, cluster, dims, budget_bytes)
-    params = inspect.signature(fn).parameters
-    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        accepted = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY and n != "state"]
-        unknown = sorted(set(options) - set(accepted))
-        if unknown:
-            raise ValueError(f"placement policy {name!r} got unknown options {unknown}; accepted: {accepted}")
-    return fn(demand_GE, cluster, dims, budget_bytes, state=state, **options)
 
 
 # ----------------------------------------------------------------------------- shared helpers

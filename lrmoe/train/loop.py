@@ -6,7 +6,7 @@
 
 One process, one device; or, launched by torchrun, expert parallel (``ep`` ranks share the routed
 experts, placed by ``placement``) and data parallel over the ranks, computing the same step on the
-same global batch (lrmoe.parallel.train_ep; docs/expert_parallel.md, "Training with torchrun")::
+same global batch (lrmoe.train.ep; docs/expert_parallel.md, "Training with torchrun")::
 
     torchrun --nproc-per-node 8 -m lrmoe.cli train --out runs/x --ep 8 --placement lrmoe --micro-batch 32 ...
 
@@ -77,6 +77,8 @@ from typing import Any
 
 import torch
 
+from ..run_folder import read_metrics, run_folder_lock
+
 DTYPES = ("auto", "fp32", "bf16")
 METRIC_KEYS = ("step", "epoch", "loss", "ppl", "lr", "grad_norm", "tokens", "label_tokens", "tokens_per_s",
                "step_time_s", "moe_fwd_s", "moe_bwd_s", "kept_fraction", "nonfinite", "layers", "elapsed_s")
@@ -129,7 +131,7 @@ class TrainConfig:
     log_interval: int = 10
     sample_layers: list = field(default_factory=lambda: [0, -1])
     checkpoint_interval: int = 0
-    # expert parallelism (torchrun; lrmoe.parallel.train_ep)
+    # expert parallelism (torchrun; lrmoe.train.ep)
     ep: int = 1
     placement: str = "lrmoe"
     ep_budget_mib: float | None = None
@@ -211,8 +213,8 @@ class TrainConfig:
 
     def validate(self) -> "TrainConfig":
         """Check every field; raises ValueError saying what was wrong and what is accepted."""
-        from .hf import MODEL_PRESETS
-        from .policy import BackwardPolicy
+        from ..hf import MODEL_PRESETS
+        from ..policy import BackwardPolicy
 
         if self.model not in MODEL_PRESETS:
             raise ValueError(f"unknown model preset {self.model!r}; accepted: {sorted(MODEL_PRESETS)}")
@@ -276,7 +278,7 @@ class TrainConfig:
         if not isinstance(self.model_overrides, dict):
             raise ValueError(f"model_overrides must be a dict, got {self.model_overrides!r}")
         if self.model_overrides and self.init_from is None:
-            from .hf import model_config
+            from ..hf import model_config
 
             known = model_config(self.model).to_dict()
             known.update(known.get("rope_parameters") or {})  # rope_theta etc. live there in transformers 5
@@ -295,7 +297,7 @@ class TrainConfig:
         return self
 
     def _validate_ep(self):
-        from .parallel import placement_policies
+        from ..planning.policies import placement_policies
 
         if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
             raise ValueError(f"ep must be an integer >= 1, got {self.ep!r}")
@@ -322,7 +324,7 @@ class TrainConfig:
                              f"micro-batch is split evenly over the ranks")
 
     def policy(self):
-        from .policy import BackwardPolicy
+        from ..policy import BackwardPolicy
 
         seed = self.seed if self.policy_seed is None else self.policy_seed
         return BackwardPolicy(drop_ratio=self.drop_ratio, scorer=self.scorer, quota=self.quota, mode=self.mode,
@@ -467,10 +469,10 @@ class MoETimer:
             h.remove()
 
 
-def _atomic_torch_save(obj, path: Path) -> None:
-    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+def atomic_torch_save(obj, path: Path) -> None:
+    from ..files import atomic_write
+
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def _rng_state(policy, device) -> dict:
@@ -498,7 +500,7 @@ def _set_rng_state(state: dict, policy, device) -> None:
 
 
 def _environment(device: torch.device) -> dict:
-    from .bench.common import environment
+    from ..environment import environment
 
     env = environment(device)
     env["cpu_count"] = os.cpu_count()
@@ -537,7 +539,7 @@ def hardware_label(env: dict, distributed: dict | None = None) -> str:
 
 def load_data(cfg: TrainConfig):
     """(train, heldout, stats) for ``cfg``, tokenised and packed once and cached under data/cache."""
-    from .data import load_prepared, prepare
+    from ..data import load_prepared, prepare
 
     path = prepare(cfg.data, cfg.tokenizer, cfg.seq_len, cfg.heldout_fraction, cfg.data_seed, cfg.max_records)
     return load_prepared(path)
@@ -584,26 +586,11 @@ def config_differences(a: dict, b: dict) -> list[str]:
            if k != "data" and ca.get(k) != cb.get(k)]
     da, db = ca.get("data"), cb.get("data")
     if da != db:
-        from .data import source_fingerprint
+        from ..data import source_fingerprint
 
         fa = source_fingerprint(da) if da else None
         if fa is None or fa != (source_fingerprint(db) if db else None):
             out.append(f"data: {da!r} != {db!r}")
-    return out
-
-
-def read_metrics(path) -> list[dict]:
-    """The per-step records of a metrics.jsonl (a torn last line is ignored)."""
-    out = []
-    try:
-        with open(path) as f:
-            for line in f:
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    break
-    except FileNotFoundError:
-        pass
     return out
 
 
@@ -657,7 +644,7 @@ def evaluate(model, heldout, cfg: TrainConfig, device, autocast, runner=None) ->
 
 def _token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Summed next-token cross-entropy over labelled positions (labels are aligned with inputs)."""
-    from .data import IGNORE_INDEX
+    from ..data import IGNORE_INDEX
 
     shift_logits = logits[:, :-1].float()
     shift_labels = labels[:, 1:]
@@ -668,7 +655,7 @@ def _token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tenso
 
 
 def _label_tokens(labels: torch.Tensor) -> int:
-    from .data import IGNORE_INDEX
+    from ..data import IGNORE_INDEX
 
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
 
@@ -694,7 +681,7 @@ def _summary_of_metrics(rows: list[dict], steps: int) -> dict:
 
 class LocalRunner:
     """One process, one device: the steps of :func:`train` that a distributed run does differently
-    (:class:`lrmoe.parallel.train_ep.DistributedRunner` has the same methods)."""
+    (:class:`lrmoe.train.ep.DistributedRunner` has the same methods)."""
 
     distributed = False
     is_main = True
@@ -745,7 +732,7 @@ class LocalRunner:
         return total, count
 
     def save_checkpoint(self, path: Path, common: dict, model, opt, rng_state: dict) -> None:
-        _atomic_torch_save({**common, "model": model.state_dict(), "optimizer": opt.state_dict(), "rng": rng_state},
+        atomic_torch_save({**common, "model": model.state_dict(), "optimizer": opt.state_dict(), "rng": rng_state},
                            path)
 
     def load_checkpoint(self, path: Path) -> dict:
@@ -765,7 +752,7 @@ class LocalRunner:
 
 def make_runner(cfg: TrainConfig):
     """:class:`LocalRunner`, or the distributed one when ``cfg.ep > 1`` or under torchrun."""
-    from .parallel import train_ep
+    from . import ep as train_ep
 
     return train_ep.DistributedRunner(cfg) if train_ep.wanted(cfg) else LocalRunner(cfg)
 
@@ -778,7 +765,7 @@ def train(cfg: TrainConfig, out_dir, progress: bool = True, stop_after: int | No
 
     Under torchrun (or with ``cfg.ep > 1``) every rank calls this with the same arguments: the
     experts are sharded over the EP group, each rank trains on its share of every batch and rank
-    0 writes the files (lrmoe.parallel.train_ep, docs/expert_parallel.md).
+    0 writes the files (lrmoe.train.ep, docs/expert_parallel.md).
     """
     cfg.validate()
     out = Path(out_dir)
@@ -792,43 +779,15 @@ def train(cfg: TrainConfig, out_dir, progress: bool = True, stop_after: int | No
         return previous
     runner = make_runner(cfg)
     try:
-        with _run_folder_lock(out, runner.is_main):
+        with run_folder_lock(out, runner.is_main):
             return _train(cfg, out, runner, progress, stop_after)
     finally:
         runner.close()
 
 
-@contextlib.contextmanager
-def _run_folder_lock(out: Path, main: bool):
-    """One training process per run folder: a second one (e.g. a second `lrmoe reproduce` while the
-    first one's workers still train) stops with a ValueError instead of training the same run."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock
-        fcntl = None
-    if not main or fcntl is None:
-        yield
-        return
-    fh = open(out / ".lrmoe.lock", "a+")
-    try:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.seek(0)
-            raise ValueError(f"{out} is being trained by another process (pid {fh.read().strip() or '?'}); "
-                             "wait for it to finish or stop it, then rerun to resume") from None
-        fh.seek(0)
-        fh.truncate()
-        fh.write(str(os.getpid()))
-        fh.flush()
-        yield
-    finally:
-        fh.close()  # releases the lock
-
-
 def _train(cfg: TrainConfig, out: Path, runner, progress: bool, stop_after: int | None) -> dict:
-    from .bench.common import write_json
-    from . import hf
+    from ..files import write_json
+    from .. import hf
 
     summary_path, metrics_path, ckpt_path = out / "summary.json", out / "metrics.jsonl", out / "checkpoint.pt"
     main = runner.is_main
@@ -841,7 +800,7 @@ def _train(cfg: TrainConfig, out: Path, runner, progress: bool, stop_after: int 
     wall0 = time.perf_counter()
     train_set, heldout, data_stats = runner.load_data(cfg)
     if "source_fingerprint" not in data_stats:  # a file prepared before fingerprints were stored
-        from .data import source_fingerprint
+        from ..data import source_fingerprint
 
         src = data_stats.get("config", {}).get("source")
         data_stats["source_fingerprint"] = source_fingerprint(src) if src else None
@@ -1169,7 +1128,7 @@ def _cli(args) -> int:
     try:
         cfg = config_from_args(args)
         cfg.validate()
-        from .parallel.train_ep import check_launch
+        from .ep import check_launch
 
         check_launch(cfg)
     except (ValueError, OSError) as e:  # OSError: a --config file that cannot be read

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .experts import lrmoe_experts
-from .policy import BackwardPolicy, BackwardRecord
+from ..experts import lrmoe_experts
+from ..policy import BackwardPolicy, BackwardRecord
 
 IMPLEMENTATION = "lrmoe"
 _POLICY_ATTR, _RECORD_ATTR = "lrmoe_policy", "lrmoe_last_backward"

@@ -1,7 +1,7 @@
 """Expert parallelism inside transformers MoE models (Qwen3-MoE, GLM-4.5), on torch.distributed.
 
     from lrmoe.parallel.launch import init_distributed
-    from lrmoe.parallel import hf as ep_hf
+    from lrmoe.hf import parallel as ep_hf
     env = init_distributed()                                  # torchrun env, gloo/NCCL, timeout
     model = lrmoe.hf.build_model("qwen3-moe-small", seed=0).to(env.device)   # same seed everywhere
     ep_hf.parallelize_experts(model, env.ep_group, "lrmoe", policy=BackwardPolicy(drop_ratio=0.2))
@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import hf as _hf
+from . import integration as _hf
 from ..policy import BackwardPolicy, BackwardRecord
-from .runtime import (ExpertParallel, _mark, broadcast_dense_params, ep_experts, finish_grad_sync,
+from ..parallel.runtime import (ExpertParallel, _mark, broadcast_dense_params, ep_experts, finish_grad_sync,
                       is_expert_parallel_param)
 
 __all__ = ["parallelize_experts", "ep_modules", "clip_grad_norm_", "finish_grad_sync", "broadcast_dense_params",

@@ -10,14 +10,14 @@ Semantics (docs/expert_parallel.md, "Training with torchrun"):
 
 * Every rank builds the same model (same seed, or the same ``init_from``), on the CPU; with
   ``ep > 1`` the routed experts are sharded over each EP group by
-  :func:`lrmoe.parallel.hf.parallelize_experts` before the model moves to the rank's device and
+  :func:`lrmoe.hf.parallel.parallelize_experts` before the model moves to the rank's device and
   before the optimizer exists. Dense parameters are broadcast from rank 0 (a no-op safeguard).
 * The data stream is the single-process one (every rank draws the same global indices). Every
   micro-batch of ``micro_batch`` rows is split evenly over the W ranks (contiguous blocks of
   ``micro_batch / W`` rows; ValueError when W does not divide it), so a step sees the same
   ``global_batch`` rows as one process. The loss of rank r is ``loss_sum_r / n_label * W`` with
   ``n_label`` the label tokens of the whole step (known to every rank from the indices), so that
-  after :func:`lrmoe.parallel.hf.finish_grad_sync` (dense gradients averaged over the ranks,
+  after :func:`lrmoe.hf.parallel.finish_grad_sync` (dense gradients averaged over the ranks,
   expert gradients summed over the EP group by the runtime and divided by W) every gradient is
   that of the single-process loss on the global batch.
 * The ``random`` scorer's seed is offset per rank (:func:`rank_seed`), so ranks draw
@@ -44,9 +44,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import hf as ep_hf
-from .launch import host_barrier
-from .runtime import ExpertParallel
+from ..hf import parallel as ep_hf
+from ..parallel.launch import host_barrier
+from ..parallel.runtime import ExpertParallel
 
 # Keys of BackwardRecord.comm_bytes (lrmoe.parallel.runtime), in the order they are logged.
 COMM_KEYS = ("fwd_weights", "fwd_dispatch", "fwd_combine", "fwd_phi", "bwd_grad_rows", "bwd_grad_index", "bwd_dx",
@@ -100,8 +100,8 @@ class DistributedRunner:
     distributed = True
 
     def __init__(self, cfg):
-        from ..train import resolve_device
-        from .launch import init_distributed
+        from .loop import resolve_device
+        from ..parallel.launch import init_distributed
 
         check_launch(cfg)
         self.cfg = cfg
@@ -129,7 +129,7 @@ class DistributedRunner:
     # ------------------------------------------------------------------ data and model
     def load_data(self, cfg):
         """The prepared data; one rank per node tokenises/packs it (and trains the BPE) first."""
-        from ..train import load_data
+        from .loop import load_data
 
         first = self.env.local_rank == 0
         if first:
@@ -142,7 +142,7 @@ class DistributedRunner:
         device and equalise the dense weights. With expert parallelism the ranks of a node build in
         turns of ``cfg.load_concurrency`` (each holds a full copy only until it has sharded it)."""
         from .. import hf
-        from .launch import in_turns
+        from ..parallel.launch import in_turns
 
         def build():
             model = make()
@@ -269,18 +269,18 @@ class DistributedRunner:
         return out
 
     def save_checkpoint(self, path: Path, common: dict, model, opt, rng_state: dict) -> None:
-        from ..train import _atomic_torch_save
+        from .loop import atomic_torch_save
 
         full = self.full_state_dict_cpu(model)
         mine, prev = self.rank_file(path), self.rank_file(path, prev=True)
         if mine.exists():
             os.replace(mine, prev)
-        _atomic_torch_save({"step": common["step"], "rank": self.rank, "world_size": self.world,
+        atomic_torch_save({"step": common["step"], "rank": self.rank, "world_size": self.world,
                             "optimizer": opt.state_dict(), "rng": rng_state,
                             "placement_state": [ep.state for ep in self.eps]}, mine)
         host_barrier()  # writing hundreds of GB may outlast the collective timeout
         if self.is_main:
-            _atomic_torch_save({**common, "model": full, "world_size": self.world, "ep_size": self.env.ep_size,
+            atomic_torch_save({**common, "model": full, "world_size": self.world, "ep_size": self.env.ep_size,
                                 "rank_files": f"{path.stem}.rank{{r}}{path.suffix}"}, path)
         host_barrier()
         prev.unlink(missing_ok=True)
@@ -321,6 +321,6 @@ class DistributedRunner:
 
     def close(self) -> None:
         if self.owns_group:
-            from .launch import shutdown
+            from ..parallel.launch import shutdown
 
             shutdown()

@@ -1,0 +1,14 @@
+"""transformers integration: the "lrmoe" experts implementation and the kit's model presets.
+
+    import lrmoe.hf
+    lrmoe.hf.register()                                   # adds "lrmoe" to ExpertsInterface
+    model = AutoModelForCausalLM.from_config(cfg, experts_implementation="lrmoe")
+    lrmoe.hf.set_policy(model, BackwardPolicy(drop_ratio=0.2))
+
+Expert parallelism for the same models: :mod:`lrmoe.hf.parallel`.
+"""
+from .integration import (IMPLEMENTATION, MODEL_PRESETS, ModelPreset, backward_records, build_model, experts_modules,
+                          get_policies, load_pretrained, lrmoe_experts_forward, model_config, register, set_policy)
+
+__all__ = ["IMPLEMENTATION", "MODEL_PRESETS", "ModelPreset", "backward_records", "build_model", "experts_modules",
+           "get_policies", "load_pretrained", "lrmoe_experts_forward", "model_config", "register", "set_policy"]
