@@ -1,9 +1,15 @@
 """Test-session set-up. Runs before any test module imports lrmoe."""
 import os
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# The shared test helpers (oracle.py, dist_helpers.py) live in tests/; the tests in its subfolders
+# (one per layer of the package) import them by name.
+sys.path.insert(0, str(Path(__file__).parent))
 
 # Triton kernels run on CPU tensors under the interpreter; it must be switched on before any
 # kernel is defined (i.e. before lrmoe.kernels.triton_* is imported). On a CUDA machine the
