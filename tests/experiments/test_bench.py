@@ -8,7 +8,7 @@ from pathlib import Path
 
 from lrmoe.bench import layer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _script(name):
