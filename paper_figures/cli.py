@@ -17,16 +17,22 @@ def register_cli(sub) -> None:
 def _cli(args) -> int:
     from pathlib import Path
 
-    from . import MAKERS, make_all
+    from .makers import MAKERS, ordered
+    from .report import make_all
 
     if not Path(args.results).is_dir():
         print(f"lrmoe figures: no results folder {args.results!r}", file=sys.stderr)
         return 2
     only = [k.strip() for k in args.only.split(",")] if args.only else None
-    files = make_all(args.results, args.out, only)
+    unknown = sorted(set(only or ()) - set(MAKERS))
+    if unknown:
+        print(f"lrmoe figures: unknown key(s) {', '.join(unknown)} in --only; accepted: {', '.join(sorted(MAKERS))}",
+              file=sys.stderr)
+        return 2
+    files = make_all(args.results, args.out, only, warn=lambda msg: print(f"lrmoe figures: {msg}", file=sys.stderr))
     for f in files:
         print(f)
-    missing = [k for k, m in sorted(MAKERS.items()) if m.fn is None and (not only or k in only)]
+    missing = [m.key for m in sorted(ordered(only), key=lambda m: m.key) if m.fn is None]
     if missing:
         print(f"not yet produced: {', '.join(missing)} (see report.md)", file=sys.stderr)
     return 0

@@ -1,10 +1,11 @@
 """F1 (per-expert demand vs quota vs kept, from real routing) and F2 (loss curves C0-C30): PNG + PDF."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from . import FAMILY_NAMES, Results, level_name, register
+from lrmoe.files import atomic_write
+
+from .results import FAMILY_NAMES, Results, level_name
 from .tables import LEVELS
 
 
@@ -24,9 +25,7 @@ def _save(fig, out: Path, stem: str) -> list[Path]:
     d.mkdir(parents=True, exist_ok=True)
     png, pdf = d / f"{stem}.png", d / f"{stem}.pdf"
     for path, kw in ((png, {"dpi": 150}), (pdf, {})):  # atomic: a temporary file, then a rename
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        fig.savefig(tmp, format=path.suffix[1:], bbox_inches="tight", **kw)
-        os.replace(tmp, path)
+        atomic_write(path, lambda f: fig.savefig(f, format=path.suffix[1:], bbox_inches="tight", **kw))
     return [png, pdf]
 
 
@@ -157,7 +156,3 @@ def make_f2(res: Results, paper: dict, out: Path) -> list[Path]:
     plt.close(fig)
     return files
 
-
-register("F1", "figure", "Per-expert demand vs backward quota vs kept (one layer, one step, real routing)",
-         fn=make_f1)
-register("F2", "figure", "Loss curves C0-C30 per model family", fn=make_f2)

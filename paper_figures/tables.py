@@ -14,7 +14,7 @@ from pathlib import Path
 
 from lrmoe.files import write_text
 
-from . import FAMILY_NAMES, NOT_RUN, Results, level_name, mean_std, register
+from .results import FAMILY_NAMES, NOT_RUN, Results, level_name, mean_std
 
 LEVELS = (0.0, 0.1, 0.2, 0.3)
 SCORER_NAMES = {"lrm": "LRM", "grad_norm": "squared gradient norm", "abs_grad": "absolute gradient magnitude",
@@ -200,6 +200,3 @@ def make_t2(res: Results, paper: dict, out: Path) -> list[Path]:
            f"{res.preset_name}, {res.scale()}, {res.hardware()}. Paper: {scale}.")
     return _write(out, "T2_scorer_ablation", md, _tex_table(cap, "tab:t2", head, rows))
 
-
-register("T1", "table", "Convergence by drop level (C0-C30)", fn=make_t1)
-register("T2", "table", "Scorer ablation (mean ΔPPL vs C0 over seeds)", fn=make_t2)

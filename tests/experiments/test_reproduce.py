@@ -129,7 +129,7 @@ def test_cli_dry_run_only_and_paper(smoke, capsys, monkeypatch):
     assert [line.split()[0] for line in out.strip().splitlines()] == ["qwen3-C10-lrm-s0", "qwen3-C20-lrm-s0",
                                                                      "qwen3-C30-lrm-s0"]
     # never a real launch, whatever GPUs the machine running the tests has
-    monkeypatch.setattr("lrmoe.reproduce._missing_hardware", lambda p, runs: "the test stands in for missing GPUs")
+    monkeypatch.setattr("lrmoe.runs.torchrun.missing_hardware", lambda runs, nproc: "the test stands in for missing GPUs")
     assert main(["reproduce", "--preset", "paper", "--out", str(smoke / "paper")]) == 2
     assert "expert-parallel" in capsys.readouterr().err
     assert not (smoke / "paper").exists()

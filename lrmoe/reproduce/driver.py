@@ -1,0 +1,164 @@
+"""`lrmoe reproduce`: a preset's runs (:mod:`~lrmoe.reproduce.presets`), checked against what the
+results folder holds, trained by the run machinery (:mod:`lrmoe.runs`), then the figures."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from lrmoe.runs import RunSpec, record_call, run_all, select, survey, torchrun, write_manifest
+from lrmoe.train.ep import world_size_from_env
+
+from .presets import PRESETS, Preset, resolve_data
+
+
+def default_out(preset: str) -> Path:
+    return Path("results") / preset
+
+
+def plan(preset: str | Preset, out_dir=None, only: str | None = None, data: str | None = None) -> dict:
+    """What `reproduce` would do: the preset, its results folder, the runs selected by ``only`` (a
+    regular expression over run names), every run of the preset (``all_runs``), a reason to skip
+    (missing data) and the state of each selected run's folder (``status``, ``stale``,
+    ``unreadable``: :class:`lrmoe.runs.Survey`)."""
+    p = PRESETS[preset] if isinstance(preset, str) else preset
+    out = Path(out_dir) if out_dir is not None else default_out(p.name)
+    source, skip = resolve_data(p, data)
+    all_runs = [dataclasses.replace(r, config=dict(r.config, data=source)) for r in p.runs()]
+    runs = select(all_runs, only)
+    sv = survey(out, runs)
+    return {"preset": p, "out": out, "runs": runs, "all_runs": all_runs, "skip": skip, "survey": sv,
+            "status": sv.status, "stale": sv.stale, "unreadable": sv.unreadable}
+
+
+def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_run: bool = False, data: str | None = None,
+              jobs: int | None = None, figures: bool = True, progress: bool = True) -> int:
+    """Run every pending run of ``preset`` (skipping finished ones), then the figures. Returns an
+    exit code: 0, 1 (a run failed), 2 (a run folder of another config or with an unreadable
+    summary, or a torchrun preset on a machine without the GPUs), 130 (stopped; rerun to resume).
+
+    A torchrun preset (``paper``) launched from a shell prints one ``torchrun`` command per pending
+    run and runs them one after another when the machine has the GPUs. Under torchrun
+    (``torchrun ... -m lrmoe.cli reproduce ...``), every rank runs the pending runs in this
+    process, one after another, over one process group; rank 0 writes the files."""
+    if isinstance(preset, str) and preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; accepted: {list(PRESETS)}")
+    pl = plan(preset, out_dir, only, data)
+    p, out, runs, sv = pl["preset"], pl["out"], pl["runs"], pl["survey"]
+    done, pending = sv.done(runs), sv.pending(runs)
+    under_torchrun = world_size_from_env() > 1
+    main = int(os.environ.get("RANK", "0")) == 0
+    jobs = 1 if under_torchrun or p.launcher == "torchrun" else max(1, jobs or p.jobs)
+    if main:
+        _describe(p, out, runs, len(done), len(pending), jobs)
+    if dry_run:
+        _list_runs(p, out, runs, sv, pl["skip"])
+        return 0
+    if pl["skip"]:
+        print(f"lrmoe reproduce: skipped: {pl['skip']}", file=sys.stderr)
+        return 0
+    if sv.stale or sv.unreadable:
+        if main:
+            _refuse(out, sv)
+        return 2
+    if p.launcher == "torchrun" and not under_torchrun:
+        return _launch_torchrun(p, out, pl["all_runs"], runs, pending, figures)
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        write_manifest(out, _manifest(p, pl["all_runs"]))
+    res = run_all(pending, out, jobs, progress=progress, main=main, under_torchrun=under_torchrun,
+                  desc=f"reproduce {p.name}", done=len(done))
+    if res.interrupted:
+        if main:
+            print(f"lrmoe reproduce: interrupted; rerun the same command to resume ({out}/)", file=sys.stderr)
+        return 130
+    if not main:
+        return 0
+    return _finish(p, out, runs, pending, res.failures, res.wall_s, jobs, only, figures)
+
+
+def _manifest(p: Preset, all_runs: list[RunSpec]) -> dict:
+    return {"preset": p.to_dict(), "runs": [dataclasses.asdict(r) for r in all_runs]}
+
+
+def _describe(p: Preset, out: Path, runs: list[RunSpec], n_done: int, n_pending: int, jobs: int) -> None:
+    print(f"preset {p.name}: {p.description}", file=sys.stderr)
+    print(f"  hardware: {p.hardware}; cost: {p.cost}", file=sys.stderr)
+    if runs:  # the settings every run shares (the full configs are in manifest.json)
+        common = {k: v for k, v in runs[0].config.items() if all(r.config.get(k) == v for r in runs)}
+        print(f"  data: {common.pop('data', 'per run')}; shared settings: "
+              + ", ".join(f"{k}={v}" for k, v in sorted(common.items())), file=sys.stderr)
+    print(f"  {len(runs)} runs -> {out}/ ({n_done} done, {n_pending} to run, {jobs} in parallel)", file=sys.stderr)
+
+
+def _list_runs(p: Preset, out: Path, runs: list[RunSpec], sv, skip: str | None) -> None:
+    """--dry-run: one line per run (stdout), what a real call would refuse (stderr)."""
+    for r in runs:
+        c = r.config
+        print(f"  {r.name:28s} {','.join(r.experiments):6s} {sv.label(r.name):8s} "
+              f"model={c['model']} drop={c['drop_ratio']} scorer={c['scorer']} seed={c['seed']} steps={c['steps']}")
+        if r.name in sv.stale:
+            print(f"    its folder holds a run of another config ({'; '.join(sv.stale[r.name])}): "
+                  f"a real call stops with status 2", file=sys.stderr)
+        if r.name in sv.unreadable:
+            print(f"    {sv.unreadable[r.name]}: a real call stops with status 2", file=sys.stderr)
+        if p.launcher == "torchrun":
+            print("    " + shlex.join(torchrun.torchrun_command(r, out / r.name, p.nproc)))
+    if skip:
+        print(f"  note: {skip}", file=sys.stderr)
+
+
+def _refuse(out: Path, sv) -> None:
+    if sv.stale:
+        print(f"lrmoe reproduce: {len(sv.stale)} run folder(s) under {out}/ hold runs of another config "
+              f"(a changed preset, --data or kit version); move or delete them, or use --out:", file=sys.stderr)
+        for name, diff in sv.stale.items():
+            print(f"  {name}: {'; '.join(diff)}", file=sys.stderr)
+    if sv.unreadable:
+        print(f"lrmoe reproduce: {len(sv.unreadable)} run folder(s) under {out}/ have a summary.json that cannot "
+              f"be read, so whether they hold this preset's run is unknown; repair, move or delete them, or use "
+              f"--out:", file=sys.stderr)
+        for name, why in sv.unreadable.items():
+            print(f"  {name}: {why}", file=sys.stderr)
+
+
+def _launch_torchrun(p: Preset, out: Path, all_runs: list[RunSpec], runs: list[RunSpec], pending: list[RunSpec],
+                     figures: bool) -> int:
+    """Not under torchrun: print one torchrun command per pending run, then run them one after
+    another when this machine has the GPUs; otherwise exit with status 2 (the commands are the way
+    to run the preset elsewhere)."""
+    import time
+
+    if pending:
+        print(f"  {len(pending)} torchrun launch(es), one per run (each resumes from its checkpoint):",
+              file=sys.stderr)
+    for r in pending:
+        print(shlex.join(torchrun.torchrun_command(r, out / r.name, p.nproc)), flush=True)
+    missing = torchrun.missing_hardware(pending, p.nproc)
+    if missing:
+        print(f"lrmoe reproduce: preset {p.name!r} trains every run with expert-parallel torchrun launches of "
+              f"{p.nproc} processes ({p.hardware}); {missing}, so nothing was run. Run the commands above on such "
+              f"a machine (from the repository root), or `lrmoe reproduce --preset {p.name}` there, which runs "
+              f"them one after another and then the figures.", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    write_manifest(out, _manifest(p, all_runs))
+    t0 = time.perf_counter()
+    failures = torchrun.launch_each(pending, out, p.nproc)
+    return _finish(p, out, runs, pending, failures, time.perf_counter() - t0, 1, None, figures)
+
+
+def _finish(p, out, runs, pending, failures, wall, jobs, only, figures) -> int:
+    """reproduce.json, then the figures; the exit code."""
+    record_call(out / "reproduce.json", {"preset": p.name, "runs": len(runs), "ran_now": len(pending),
+                                         "failed": failures, "jobs": jobs, "only": only}, wall,
+                warn=lambda msg: print(f"lrmoe reproduce: {msg}", file=sys.stderr))
+    print(f"preset {p.name}: {len(pending)} run(s) in {wall:.0f}s", file=sys.stderr)
+    if figures:
+        from paper_figures import make_all
+
+        written = make_all(out, out, warn=lambda msg: print(f"lrmoe reproduce: {msg}", file=sys.stderr))
+        print(f"figures and tables: {len(written)} files under {out}/tables and {out}/figures", file=sys.stderr)
+    return 1 if failures else 0

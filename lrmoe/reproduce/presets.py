@@ -1,0 +1,112 @@
+"""The presets of `lrmoe reproduce` as data: models, data, steps, hardware assumptions, cost.
+
+A preset selects the models of both families, the training settings every run shares (``base``),
+the data file and the experiment axes; :meth:`Preset.runs` turns it into its list of runs
+(:mod:`lrmoe.reproduce.experiments`). docs/reproduce.md states each preset's cost."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+from lrmoe.runs import RunSpec
+
+from .experiments import DROPS_E1, FAMILIES, SCORERS_E2, preset_runs
+
+
+@dataclass
+class Preset:
+    name: str
+    description: str
+    models: dict  # family -> model preset name
+    base: dict  # TrainConfig fields shared by every run
+    data_file: str | None  # file under the shared data folder (None: $LRMOE_ALPACA or the hub)
+    model_overrides: dict = field(default_factory=dict)  # family -> transformers config overrides
+    family_config: dict = field(default_factory=dict)  # family -> TrainConfig field overrides
+    e1_drops: tuple = DROPS_E1
+    e1_seeds: tuple = (0,)
+    e2_drop: float = 0.2
+    e2_scorers: tuple = SCORERS_E2
+    e2_seeds: tuple = (0, 1, 2)
+    families: tuple = FAMILIES
+    jobs: int = 1  # runs in parallel (CPU presets: one thread each)
+    cost: str = ""  # expected cost, stated in docs/reproduce.md
+    launcher: str = "local"  # "local" (runs in this process / a process pool) or "torchrun" (one launch per run)
+    nproc: int = 1  # torchrun: processes per run (one node; one GPU each)
+    hardware: str = ""
+
+    def runs(self) -> list[RunSpec]:
+        """Every run of the preset, E1 and E2 (:func:`lrmoe.reproduce.experiments.preset_runs`)."""
+        return preset_runs(self)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_SMOKE_BASE = dict(tokenizer="bpe:384", max_records=None, heldout_fraction=0.1, seq_len=64, micro_batch=4,
+                   steps=30, lr=3e-3, warmup_steps=3, min_lr_ratio=0.1, weight_decay=0.01, clip=1.0,
+                   eval_interval=12, eval_batches=2, log_interval=6, checkpoint_interval=12, threads=1,
+                   device="cpu", sample_layers=[0, -1])
+# cpu: a small Alpaca sample trained for many epochs, so the models approach memorisation as in
+# the paper's regime (PPL ~1.015 after ~200 epochs). Sized to run the whole preset within
+# 30 minutes on 2 cores (two runs in parallel, one thread each); see docs/reproduce.md.
+_CPU_BASE = dict(tokenizer="bpe:1024", max_records=16, heldout_fraction=0.125, seq_len=256, micro_batch=8,
+                 steps=200, lr=3e-3, warmup_steps=15, min_lr_ratio=0.1, weight_decay=0.01, clip=1.0,
+                 eval_interval=50, eval_batches=None, log_interval=25, checkpoint_interval=100, threads=1,
+                 device="cpu", sample_layers=[0, -1])
+_GPU_BASE = dict(tokenizer="bpe:32768", max_records=None, heldout_fraction=0.01, seq_len=8192, micro_batch=1,
+                 grad_accum=4, steps=1000, lr=1e-3, warmup_steps=50, min_lr_ratio=0.1, weight_decay=0.01,
+                 clip=1.0, eval_interval=250, eval_batches=8, log_interval=10, checkpoint_interval=100,
+                 device="cuda", dtype="auto", sample_layers=[0, -1])
+
+PRESETS: dict[str, Preset] = {
+    "smoke": Preset(
+        "smoke", "CI end-to-end check: tiny Qwen3-MoE / GLM-4.5-style models, 100 Alpaca records, 30 steps",
+        {"qwen3": "qwen3-moe-tiny", "glm4": "glm4-moe-tiny"}, _SMOKE_BASE, "alpaca/alpaca_tiny.json",
+        e2_seeds=(0, 1), jobs=2, hardware="2 CPU cores",
+        cost="measured: about 20-40 s on 2 CPU cores (24 runs)"),
+    "cpu": Preset(
+        "cpu", "CPU-scale reproduction: qwen3-moe-small / glm4-moe-small (16 experts, top-4) near memorisation "
+               "of a 16-record Alpaca sample (alpaca_en_demo; 14 train / 2 held out), E1 + E2 with 3 seeds",
+        {"qwen3": "qwen3-moe-small", "glm4": "glm4-moe-small"}, _CPU_BASE, "alpaca/alpaca_en_demo.json",
+        e2_seeds=(0, 1, 2), jobs=2, hardware="2 CPU cores",
+        cost="measured: see docs/reproduce.md (target <= 30 minutes on 2 CPU cores, 34 runs)"),
+    "gpu1": Preset(
+        "gpu1", "one Hopper GPU: the paper's Qwen3-30B-A3B and GLM-4.5-Air layer dimensions (128 experts, top-8) "
+                "with fewer layers, bf16 autocast, full Alpaca, seq 8192",
+        {"qwen3": "qwen3-30b-a3b", "glm4": "glm-4.5-air"}, _GPU_BASE, None,
+        model_overrides={"qwen3": {"num_hidden_layers": 4}, "glm4": {"num_hidden_layers": 3}},
+        e2_seeds=(0, 1, 2), jobs=1, hardware="1x NVIDIA H100/H200 (80+ GiB)",
+        cost="estimated (not measured): ~1-2 s per step, 34 runs x 1,000 steps = 10-20 GPU-hours"),
+    "paper": Preset(
+        "paper", "the paper's setting: Qwen3-30B-A3B and GLM-4.5-Air (full depth), EP8 on 8 Hopper GPUs "
+                 "(torchrun, LRMoE placement), seq 8192, micro-batch 4 per GPU, 10,000 steps",
+        {"qwen3": "qwen3-30b-a3b", "glm4": "glm-4.5-air"},
+        # micro_batch counts the rows of one forward over all ranks: 32 = 4 per GPU x 8 GPUs
+        dict(_GPU_BASE, micro_batch=32, grad_accum=1, steps=10_000, warmup_steps=100, lr=1e-5,
+             eval_interval=1000, checkpoint_interval=500, ep=8, placement="lrmoe"), None,
+        # fine-tuning of the released checkpoints with their own tokenizers (the paper does not say
+        # whether it starts from them; a PPL of 1.015 on Alpaca suggests so)
+        family_config={"qwen3": {"init_from": "Qwen/Qwen3-30B-A3B", "tokenizer": "Qwen/Qwen3-30B-A3B"},
+                       "glm4": {"init_from": "zai-org/GLM-4.5-Air", "tokenizer": "zai-org/GLM-4.5-Air"}},
+        e2_seeds=(0, 1, 2), jobs=1, launcher="torchrun", nproc=8, hardware="8x NVIDIA Hopper (80 GiB), EP8",
+        cost="estimated (not measured): the paper's 10,000-step runs; 34 runs at roughly 1-2 days each on 8 GPUs"),
+}
+
+
+def resolve_data(preset: Preset, data: str | None) -> tuple[str | None, str | None]:
+    """(data source, None) or (None, reason to skip)."""
+    if data:
+        return data, None
+    if os.environ.get("LRMOE_ALPACA"):
+        return os.environ["LRMOE_ALPACA"], None
+    if preset.data_file is None:
+        return None, None  # the loader falls back to the hub id tatsu-lab/alpaca
+    from lrmoe.data import shared_data_dir
+
+    path = shared_data_dir() / preset.data_file
+    if not path.exists():
+        return None, (f"preset {preset.name!r} needs {preset.data_file} from the shared data folder, not found at "
+                      f"{path}; set LRMOE_SHARED_DATA to that folder, or give --data PATH (or LRMOE_ALPACA) "
+                      f"with Alpaca records")
+    return str(path), None

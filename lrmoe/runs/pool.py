@@ -1,0 +1,178 @@
+"""Training the pending runs: one after another in this process, or ``jobs`` at a time in a pool
+of spawned worker processes, with a progress bar and one line per finished run.
+
+Stopping (Ctrl-C, or SIGTERM from a job scheduler): every run in training finishes its step,
+writes a checkpoint and stops; queued runs are not started; :func:`run_all` returns with
+``interrupted`` set, and the same call resumes every run later. SIGTERM is handled as Ctrl-C is
+(the parent forwards it to the workers as SIGINT). A worker that has not stopped after
+:data:`STOP_GRACE_S` is terminated (it then resumes from its last periodic checkpoint), so none
+keeps training orphaned. A run that fails is reported and the others go on."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lrmoe.train import TrainConfig
+
+from .spec import RunSpec
+
+STOP_GRACE_S = 120.0  # how long interrupted workers get to finish their step and checkpoint
+
+
+@dataclass
+class Outcome:
+    """What :func:`run_all` did: (run name, error) of each failed run, whether it was stopped, and
+    its wall time."""
+
+    failures: list[tuple[str, str]] = field(default_factory=list)
+    interrupted: bool = False
+    wall_s: float = 0.0
+
+
+def train_one(spec: dict, out_dir: str, progress: bool) -> dict:
+    """Worker entry (also used in-process): train one run (a :class:`RunSpec` as a dict) in
+    ``out_dir``; returns its name, status, final numbers and wall time."""
+    cfg = TrainConfig.from_dict(spec["config"])
+    if cfg.threads:
+        import torch
+
+        torch.set_num_threads(cfg.threads)
+    from lrmoe.train import train
+
+    t0 = time.perf_counter()
+    s = train(cfg, out_dir, progress=progress)
+    return {"name": spec["name"], "status": s["status"], "final": s.get("final", {}),
+            "wall_s": time.perf_counter() - t0}
+
+
+def prepare_data(runs: list[RunSpec]) -> None:
+    """Tokenise and pack each distinct data config once, before any worker starts."""
+    from lrmoe.train.loop import load_data
+
+    seen = set()
+    for r in runs:
+        c = r.train_config()
+        key = (c.data, c.tokenizer, c.seq_len, c.heldout_fraction, c.data_seed, c.max_records)
+        if key not in seen:
+            seen.add(key)
+            load_data(c)
+
+
+def run_all(runs: list[RunSpec], out, jobs: int = 1, *, progress: bool = True, main: bool = True,
+            under_torchrun: bool = False, desc: str = "runs", done: int = 0) -> Outcome:
+    """Train ``runs`` into ``<out>/<name>/`` (each resumes from its checkpoint), ``jobs`` at a time.
+
+    ``done`` runs finished before count on the progress bar; ``main`` is False on the ranks of a
+    torchrun launch that do not report. Under torchrun every rank trains the runs here, one after
+    another, over one process group (a failure there is raised: the other ranks cannot go on)."""
+    out, outcome, t0 = Path(out), Outcome(), time.perf_counter()
+    if not runs:
+        return outcome
+    group = _init_group(runs) if under_torchrun else None  # one group for all runs of this process
+    if not under_torchrun:
+        prepare_data(runs)  # (under torchrun, train prepares the data on one rank per node first)
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(runs) + done, initial=done, desc=desc, unit="run", disable=not (progress and main),
+               dynamic_ncols=True)
+
+    def report(res):
+        fin = res.get("final", {})
+        bar.update(1)
+        if main:
+            bar.write(f"  {res['name']}: {res['status']} in {res['wall_s']:.0f}s, "
+                      f"final loss {fin['loss'] if fin.get('loss') is not None else float('nan'):.4f}, "
+                      f"mean PPL (final 10%) {fin.get('mean_ppl_final_10pct') or float('nan'):.4f}")
+
+    def failed(name, e):
+        outcome.failures.append((name, repr(e)))
+        bar.write(f"  {name}: FAILED: {e!r}")
+
+    specs = [(dataclasses.asdict(r), str(out / r.name)) for r in runs]
+    try:
+        if jobs == 1 or under_torchrun:
+            with _sigterm_as_sigint(enabled=not under_torchrun):  # (torchrun stops its ranks itself)
+                for spec, d in specs:
+                    try:
+                        report(train_one(spec, d, progress and main))
+                    except Exception as e:  # keep going: the tables say "not run" for it
+                        if under_torchrun:
+                            raise
+                        failed(spec["name"], e)
+        else:
+            _run_pool(specs, jobs, report, failed)
+    except KeyboardInterrupt:  # every run in training wrote a checkpoint at its step
+        outcome.interrupted = True
+    finally:
+        bar.close()
+        if group is not None:
+            group()
+    outcome.wall_s = time.perf_counter() - t0
+    return outcome
+
+
+def _run_pool(specs, jobs: int, report, failed) -> None:
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    def on_term(signum, frame):  # SIGTERM to this process: stop the workers as Ctrl-C would
+        for child in mp.active_children():
+            os.kill(child.pid, signal.SIGINT)
+        raise KeyboardInterrupt
+
+    prev_term = signal.signal(signal.SIGTERM, on_term) if threading.current_thread() is threading.main_thread() \
+        else None
+    ex = ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"))
+    try:
+        futs = {ex.submit(train_one, spec, d, False): spec["name"] for spec, d in specs}
+        for f in as_completed(futs):
+            try:
+                report(f.result())
+            except Exception as e:
+                failed(futs[f], e)
+    except KeyboardInterrupt:
+        # The workers got SIGINT too (Ctrl-C reaches the process group; SIGTERM is forwarded
+        # above): each finishes its step and writes a checkpoint. Queued runs are cancelled; a
+        # worker that has not exited after the grace period is terminated.
+        ex.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for child in mp.active_children():
+            child.join(max(0.0, deadline - time.monotonic()))
+        for child in mp.active_children():
+            child.terminate()
+        raise
+    finally:
+        ex.shutdown(wait=True)
+        if prev_term is not None:
+            signal.signal(signal.SIGTERM, prev_term)
+
+
+@contextmanager
+def _sigterm_as_sigint(enabled: bool = True):
+    """In this process (main thread only): SIGTERM raises SIGINT, so the run in training finishes
+    its step and checkpoints as it does on Ctrl-C."""
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    prev = signal.signal(signal.SIGTERM, lambda signum, frame: signal.raise_signal(signal.SIGINT))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, prev)
+
+
+def _init_group(runs: list[RunSpec]):
+    """Under torchrun: the process group of every run of this process (a process group cannot be
+    created again after it was destroyed); returns the function that destroys it."""
+    from lrmoe.parallel.launch import init_distributed, shutdown
+    from lrmoe.train.loop import resolve_device
+
+    cuda = any(resolve_device(r.train_config().device).type == "cuda" for r in runs)
+    init_distributed(backend="nccl" if cuda else "gloo")
+    return shutdown

@@ -1,0 +1,71 @@
+"""``make_all``: every table and figure of a results folder, and ``report.md`` that gathers them
+beside the paper's numbers (and says which are not produced yet, and which run folders could not
+be read)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+from lrmoe.files import write_text
+
+from .makers import MAKERS, ordered
+from .results import Results, paper_numbers
+
+
+def make_all(results_dir, out_dir=None, only: list[str] | None = None,
+             warn: Callable[[str], None] | None = None) -> list[Path]:
+    """Write every registered table/figure (or those in ``only``) and ``report.md``; returns the
+    files. ``warn`` is told of each run folder left out because its summary cannot be read (the
+    report names them too)."""
+    res = Results.load(results_dir)
+    out = Path(out_dir) if out_dir is not None else Path(results_dir)
+    for name, why in res.unreadable.items():
+        if warn is not None:
+            warn(f"run folder {res.dir / name} is left out of the tables and figures: {why}")
+    paper = paper_numbers()
+    written, status = [], {}
+    for m in ordered(only):
+        if m.fn is None:
+            status[m.key] = ("not yet produced", [])
+            continue
+        files = m.fn(res, paper, out)
+        written += files
+        status[m.key] = ("written", files)
+    path = write_text(out / "report.md", _report(res, out, paper, status))
+    return written + [path]
+
+
+def _report(res: Results, out: Path, paper: dict, status: dict) -> str:
+    lines = [f"# Reproduced tables and figures: preset `{res.preset_name}`", "",
+             f"- scale: {res.scale()}", f"- hardware: {res.hardware()}",
+             f"- runs: {sum(r.done for r in res.runs.values())} finished of {len(res.runs)} found"
+             + (f" ({len((res.manifest or {}).get('runs', []))} in the preset)" if res.manifest else "")]
+    if res.unreadable:
+        lines.append(f"- **left out**: {len(res.unreadable)} run folder(s) whose summary.json cannot be read "
+                     f"(repair the file or rerun the run; until then its cells say \"not run\"):")
+        lines += [f"  - `{name}`: {why}" for name, why in res.unreadable.items()]
+    lines += ["- every value below is **measured** by this kit from the run files unless labelled **paper**", ""]
+    for key in status:
+        m = MAKERS[key]
+        state, files = status[key]
+        lines += [f"## {key}: {m.title}", ""]
+        if state == "written":
+            for f in files:
+                rel = f.relative_to(out) if f.is_relative_to(out) else f
+                if f.suffix == ".md":
+                    lines += [f.read_text().strip(), ""]
+                elif f.suffix == ".png":
+                    lines += [f"![{key}]({rel.as_posix()})", ""]
+        else:
+            lines += [f"Not yet produced: needs {m.needs}.", "", f"Paper ({m.kind}): `{_paper_line(key, paper)}`", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _paper_line(key: str, paper: dict) -> str:
+    """The paper's numbers that belong to a table/figure (entries whose ``belongs_to`` lists it)."""
+    found = {name: {k: v for k, v in p.items() if k not in ("title", "belongs_to")}
+             for name, p in paper.items() if isinstance(p, dict) and key in p.get("belongs_to", ())}
+    if len(found) == 1:
+        found = next(iter(found.values()))
+    return json.dumps(found, separators=(", ", ": "))

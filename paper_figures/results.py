@@ -1,0 +1,192 @@
+"""The results model of the tables and figures: the run folders of a results folder
+(:class:`Results`, :class:`Run`), the paper's numbers (``paper_numbers.json``), and the few
+helpers every maker shares.
+
+A run folder whose ``summary.json`` cannot be read is not silently dropped: :attr:`Results.unreadable`
+names it and says why, and the report and the `lrmoe figures` command repeat it."""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+from lrmoe.environment import hardware_label
+from lrmoe.files import CorruptFileError, read_json
+from lrmoe.run_folder import SUMMARY, read_metrics, read_summary
+
+PAPER_NUMBERS = Path(__file__).with_name("paper_numbers.json")
+FAMILY_NAMES = {"qwen3": "Qwen3-MoE", "glm4": "GLM-4.5-MoE"}
+_FAMILY_OF = {"qwen3_moe": "qwen3", "glm4_moe": "glm4"}
+NOT_RUN = "not run"
+
+
+def paper_numbers() -> dict:
+    return json.loads(PAPER_NUMBERS.read_text())
+
+
+def level_name(drop: float) -> str:
+    return f"C{round(drop * 100)}"
+
+
+def rows_per_step(config: dict):
+    """Rows per optimizer step of a run config (global_batch, else micro_batch x grad_accum)."""
+    if config.get("global_batch"):
+        return config["global_batch"]
+    if "micro_batch" in config:
+        return config["micro_batch"] * (config.get("grad_accum") or 1)
+    return "?"
+
+
+@dataclass
+class Run:
+    name: str
+    dir: Path
+    summary: dict
+    experiments: tuple = ()
+
+    @property
+    def config(self) -> dict:
+        return self.summary.get("config", {})
+
+    @property
+    def done(self) -> bool:
+        return self.summary.get("status") == "done"
+
+    @property
+    def family(self) -> str:
+        fam = self.summary.get("model", {}).get("family", "")
+        return _FAMILY_OF.get(fam, fam or "?")
+
+    @property
+    def drop(self) -> float:
+        return float(self.config.get("drop_ratio", 0.0))
+
+    @property
+    def scorer(self) -> str:
+        return self.config.get("scorer", "lrm") if self.drop > 0 else "none"
+
+    @property
+    def seed(self) -> int:
+        return int(self.config.get("seed", 0))
+
+    @cached_property
+    def rows(self) -> list[dict]:
+        return read_metrics(self.dir)  # only a torn last line is dropped; any other bad line raises
+
+    def ppl_window_mean(self, fraction: float = 0.1) -> float | None:
+        """Mean per-step training PPL over the final ``fraction`` of the run's steps."""
+        steps = int(self.config.get("steps", 0))
+        if not self.done or not self.rows or steps <= 0:
+            return None
+        n = max(1, math.ceil(fraction * steps))
+        tail = [r["ppl"] for r in self.rows if r["step"] > steps - n and r.get("ppl") is not None]
+        return sum(tail) / len(tail) if tail else None
+
+    def ppl_by_step(self) -> dict[int, float]:
+        """PPL per step (steps without response tokens, logged with ppl None, left out)."""
+        return {r["step"]: r["ppl"] for r in self.rows if r.get("ppl") is not None}
+
+
+@dataclass
+class Results:
+    """Every run under a results folder, plus the preset's manifest when there is one."""
+
+    dir: Path
+    runs: dict[str, Run] = field(default_factory=dict)
+    manifest: dict | None = None
+    unreadable: dict[str, str] = field(default_factory=dict)  # run folder name -> why its summary cannot be read
+
+    @classmethod
+    def load(cls, results_dir) -> "Results":
+        d = Path(results_dir)
+        manifest = read_json(d / "manifest.json")  # None without one; a corrupt one raises, naming it
+        res = cls(d, {}, manifest)
+        tags = {r["name"]: tuple(r.get("experiments", ())) for r in (manifest or {}).get("runs", [])}
+        for s in sorted(d.glob(f"*/{SUMMARY}")):
+            name = s.parent.name
+            try:
+                summary = read_summary(s.parent)
+            except CorruptFileError as e:
+                res.unreadable[name] = str(e)
+                continue
+            res.runs[name] = Run(name, s.parent, summary, tags.get(name, ()))
+        return res
+
+    # -- preset facts
+    @property
+    def preset(self) -> dict:
+        return (self.manifest or {}).get("preset", {})
+
+    @property
+    def preset_name(self) -> str:
+        return self.preset.get("name") or self.dir.name
+
+    def expected(self, experiment: str) -> list[dict]:
+        """Run specs of an experiment according to the manifest ([] without one)."""
+        return [r for r in (self.manifest or {}).get("runs", []) if experiment in r.get("experiments", ())]
+
+    def families(self) -> list[str]:
+        fams = list(self.preset.get("families", []))
+        for r in self.runs.values():
+            if r.family not in fams:
+                fams.append(r.family)
+        return fams
+
+    def model_of(self, family: str) -> str:
+        models = self.preset.get("models", {})
+        if family in models:
+            return models[family]
+        for r in self.runs.values():
+            if r.family == family:
+                return r.config.get("model", "?")
+        return "?"
+
+    def seeds(self, key: str, default=(0,)) -> list[int]:
+        return list(self.preset.get(key, default))
+
+    def hardware(self) -> str:
+        labels = sorted({hardware_label(r.summary.get("environment", {}), r.summary.get("distributed"))
+                         for r in self.runs.values() if r.done})
+        return "; ".join(labels) if labels else "no finished runs"
+
+    def scale(self) -> str:
+        """One line describing what was trained (models, data, steps)."""
+        base = self.preset.get("base") or (next(iter(self.runs.values())).config if self.runs else {})
+        models = ", ".join(self.model_of(f) for f in self.families())
+        rec = base.get("max_records")
+        data = next((r.summary.get("data", {}) for r in self.runs.values() if r.summary.get("data")), {})
+        recs = f"{data.get('train_records', rec or '?')} training records" if data else f"{rec or 'all'} records"
+        return (f"{models}; {recs} of Alpaca, seq {base.get('seq_len', '?')}, "
+                f"{rows_per_step(base)} rows/step, {base.get('steps', '?')} steps")
+
+    def find(self, family: str, drop: float, scorer: str | None, seed: int) -> Run | None:
+        """The run of ``family`` at drop ratio ``drop`` with ``scorer`` and ``seed``, in the tables'
+        setting (compact mode, waterfill quotas). With a manifest only the preset's runs count
+        (other runs written into the folder, e.g. an ablation with ``--quota proportional``, never
+        replace them); several matches raise a ValueError naming them."""
+        named = {r["name"] for r in (self.manifest or {}).get("runs", [])}
+        found = []
+        for r in self.runs.values():
+            if named and r.name not in named:
+                continue
+            if r.family != family or abs(r.drop - drop) > 1e-9 or r.seed != seed:
+                continue
+            if drop > 0 and scorer is not None and r.config.get("scorer") != scorer:
+                continue
+            if drop > 0 and (r.config.get("mode", "compact") != "compact"
+                             or r.config.get("quota", "waterfill") != "waterfill"):
+                continue
+            found.append(r)
+        if len(found) > 1:
+            raise ValueError(f"{self.dir}: several runs match {family} {level_name(drop)} scorer={scorer} seed={seed}: "
+                             f"{[r.name for r in found]}; keep one (or give the folder a manifest.json)")
+        return found[0] if found else None
+
+
+def mean_std(xs: list[float]) -> tuple[float | None, float | None]:
+    if not xs:
+        return None, None
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else None)
