@@ -7,61 +7,27 @@ by :func:`compute_quota` on CPU tensors:
 * ``0 <= quota[e] <= demand[e]`` for every expert e;
 * ``quota.sum() == n_keep`` exactly, where ``n_keep = retained_total(demand.sum(), drop_ratio)``.
 
-The same functions are used by the single-process layer, the expert-parallel planners and the
-cluster simulator (planners call them with numpy arrays; they are converted and returned as numpy).
+This is the single-process layer's fast path. The planners (the expert-parallel runtime, the
+simulator) use the numpy twins in :mod:`lrmoe.planning.quota`, which give the same quotas
+exactly; the drop-ratio arithmetic (:func:`check_drop_ratio`, :func:`retained_total`) lives there
+once. A user policy registered here is used by the layer; register a numpy version with
+``lrmoe.planning.quota.register_quota_policy`` too for the planners to use it.
 """
 from __future__ import annotations
 
-import numbers
-import inspect
-import math
-from fractions import Fraction
 from typing import Callable
 
 import numpy as np
 import torch
 
+from .planning.quota import (accepts_drop_ratio, check_drop_ratio, check_min_keep, check_quota, keep_fraction,
+                             retained_total)
 from .registry import Registry
 
+__all__ = ["check_drop_ratio", "compute_quota", "get_quota_policy", "proportional_quota", "quota_for", "quota_policies",
+           "register_quota_policy", "retained_total", "waterfill_quota"]
+
 QuotaFn = Callable[..., torch.Tensor]
-_QUOTA_POLICIES = Registry("quota policy")
-#: ``register_quota_policy(name, fn)`` or ``@register_quota_policy(name)``:
-#: ``fn(demand_E, n_keep, **kwargs) -> quota_E``.
-register_quota_policy = _QUOTA_POLICIES.register
-#: Names of the registered quota policies.
-quota_policies = _QUOTA_POLICIES.names
-get_quota_policy = _QUOTA_POLICIES.get
-
-
-def check_drop_ratio(drop_ratio: float) -> float:
-    if isinstance(drop_ratio, bool) or not isinstance(drop_ratio, numbers.Real) or not (0.0 <= drop_ratio < 1.0):
-        raise ValueError(f"drop_ratio must be a number in [0, 1), got {drop_ratio!r}")
-    return float(drop_ratio)
-
-
-def keep_fraction(drop_ratio: float) -> Fraction:
-    """1 - drop_ratio as an exact fraction: of the decimal the user wrote (0.3 -> 7/10, i.e. the
-    shortest decimal that reads back as the float), or of a simple fraction when the float is
-    exactly that fraction's nearest float (1/3 -> 2/3; 0.1666667 stays 1666667/10^7, not 1/6).
-
-    Rounding on the float product instead would turn 31.5 into 31.499999 (P=45, rho=0.3)."""
-    rho = check_drop_ratio(drop_ratio)
-    exact = Fraction(repr(rho))
-    simple = exact.limit_denominator(1_000_000)
-    if float(simple) == rho:
-        return 1 - simple
-    # Decimals of up to 9 digits are exact; longer ones (e.g. a float computed by a program) are
-    # taken to the nearest fraction with denominator <= 10^9, which keeps the integer arithmetic
-    # of the quota policies (demand x numerator) inside int64.
-    return 1 - (exact if exact.denominator <= 10**9 else exact.limit_denominator(10**9))
-
-
-def retained_total(num_pairs: int, drop_ratio: float) -> int:
-    """round((1 - drop_ratio) * num_pairs), halves rounded up, in exact arithmetic: the number of pairs kept."""
-    keep = keep_fraction(drop_ratio)
-    if num_pairs < 0:
-        raise ValueError(f"num_pairs must be >= 0, got {num_pairs}")
-    return min(int(num_pairs), math.floor(keep * int(num_pairs) + Fraction(1, 2)))
 
 
 def _top_ranks(priority_E: torch.Tensor, eligible_E: torch.Tensor) -> torch.Tensor:
@@ -76,7 +42,6 @@ def _top_ranks(priority_E: torch.Tensor, eligible_E: torch.Tensor) -> torch.Tens
     return rank
 
 
-@register_quota_policy("proportional")
 def proportional_quota(demand_E: torch.Tensor, n_keep: int, drop_ratio: float | None = None) -> torch.Tensor:
     """Every expert keeps the same fraction of its demand, rounded by largest remainder.
 
@@ -99,7 +64,6 @@ def proportional_quota(demand_E: torch.Tensor, n_keep: int, drop_ratio: float | 
     return base + (rank < missing).to(torch.int64)
 
 
-@register_quota_policy("waterfill")
 def waterfill_quota(demand_E: torch.Tensor, n_keep: int, min_keep: int = 0) -> torch.Tensor:
     """A common cap tau: every expert keeps min(d_e, tau) (tau or tau+1 for rounding).
 
@@ -107,9 +71,7 @@ def waterfill_quota(demand_E: torch.Tensor, n_keep: int, min_keep: int = 0) -> t
     ``min_keep`` is an optional per-expert floor: every expert keeps at least min(d_e, min_keep)
     (when n_keep allows it; otherwise the floor itself is shared by waterfilling)."""
     d = demand_E.to(torch.int64)
-    if isinstance(min_keep, bool) or not isinstance(min_keep, numbers.Integral) or min_keep < 0:
-        raise ValueError(f"min_keep must be an int >= 0, got {min_keep!r}")
-    if min_keep > 0:
+    if check_min_keep(min_keep) > 0:
         floor_E = torch.clamp(d, max=min_keep)
         fsum = floor_E.sum()
         # If the floors alone exceed n_keep, waterfill n_keep inside the floors instead.
@@ -132,6 +94,16 @@ def waterfill_quota(demand_E: torch.Tensor, n_keep: int, min_keep: int = 0) -> t
     return q + (rank < missing).to(torch.int64)
 
 
+_QUOTA_POLICIES = Registry("quota policy", builtins={"proportional": proportional_quota, "waterfill": waterfill_quota})
+#: ``register_quota_policy(name, fn, *, override=False)`` or ``@register_quota_policy(name)``:
+#: ``fn(demand_E, n_keep, **kwargs) -> quota_E`` over int64 tensors.
+register_quota_policy = _QUOTA_POLICIES.register
+unregister_quota_policy = _QUOTA_POLICIES.unregister
+#: Names of the registered quota policies.
+quota_policies = _QUOTA_POLICIES.names
+get_quota_policy = _QUOTA_POLICIES.get
+
+
 def compute_quota(demand_E, drop_ratio: float, policy: str = "waterfill", **kwargs):
     """Per-expert retention quotas for ``drop_ratio``; accepts and returns torch tensors or numpy arrays."""
     get_quota_policy(policy)
@@ -152,7 +124,7 @@ def quota_for(demand_E: torch.Tensor, n_keep: int, policy: str = "waterfill", *,
     whose signature accepts it. The contract is checked when the demand lives on the CPU."""
     fn = get_quota_policy(policy)
     d = demand_E.to(torch.int64)
-    if drop_ratio is not None and _accepts_drop_ratio(fn):
+    if drop_ratio is not None and accepts_drop_ratio(fn):
         kwargs["drop_ratio"] = drop_ratio
     q = fn(d, n_keep, **kwargs)
     if not isinstance(q, torch.Tensor):  # numpy arrays and lists are accepted
@@ -169,16 +141,5 @@ def quota_for(demand_E: torch.Tensor, n_keep: int, policy: str = "waterfill", *,
     return q
 
 
-def _accepts_drop_ratio(fn) -> bool:
-    """Whether the quota policy ``fn`` takes ``drop_ratio`` (any callable, hashable or not)."""
-    params = inspect.signature(fn).parameters
-    return "drop_ratio" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-
-
 def _check_quota(d: torch.Tensor, q: torch.Tensor, n_keep: int, policy: str) -> None:
-    if q.shape != d.shape:
-        raise ValueError(f"quota policy {policy!r} returned shape {tuple(q.shape)}, expected {tuple(d.shape)}")
-    if bool((q < 0).any()) or bool((q > d).any()):
-        raise ValueError(f"quota policy {policy!r} returned quotas outside [0, demand]: {q.tolist()} vs {d.tolist()}")
-    if int(q.sum()) != n_keep:
-        raise ValueError(f"quota policy {policy!r} returned sum {int(q.sum())}, expected exactly {n_keep}")
+    check_quota(d.numpy(), q.numpy(), n_keep, policy)

@@ -40,7 +40,8 @@ from lrmoe.files import write_json  # noqa: E402
 from lrmoe.bench.common import median  # noqa: E402
 from lrmoe.kernels.routing import select_top_quota  # noqa: E402
 from lrmoe.parallel.launch import init_distributed, shutdown  # noqa: E402
-from lrmoe.parallel.runtime import BACKWARD_ROW_KEYS, ExpertParallel, ExpertParallelExperts  # noqa: E402
+from lrmoe.parallel.function import BACKWARD_ROW_KEYS  # noqa: E402
+from lrmoe.parallel.runtime import ExpertParallel, ExpertParallelExperts  # noqa: E402
 from lrmoe.quota import quota_for, retained_total  # noqa: E402
 
 MIB = 2**20

@@ -30,8 +30,9 @@ from torch import nn
 
 from . import integration as _hf
 from ..policy import BackwardPolicy, BackwardRecord
-from ..parallel.runtime import (ExpertParallel, _mark, broadcast_dense_params, ep_experts, finish_grad_sync,
-                      is_expert_parallel_param)
+from ..parallel.grad_sync import (broadcast_dense_params, finish_grad_sync, is_expert_parallel_param,
+                                  mark_expert_parallel)
+from ..parallel.runtime import ExpertParallel, ep_experts
 
 __all__ = ["parallelize_experts", "ep_modules", "clip_grad_norm_", "finish_grad_sync", "broadcast_dense_params",
            "full_state_dict", "load_full_state_dict", "is_expert_parallel_param"]
@@ -79,7 +80,7 @@ def parallelize_experts(model: nn.Module, group=None, placement: str = "fixed", 
                             fast_domains=fast_domains, **options)
         for name in ("gate_up_proj", "down_proj"):
             full = getattr(m, name)
-            setattr(m, name, _mark(nn.Parameter(ep.shard(full), requires_grad=full.requires_grad)))
+            setattr(m, name, mark_expert_parallel(nn.Parameter(ep.shard(full), requires_grad=full.requires_grad)))
         setattr(m, _EP_ATTR, ep)
         m.forward = types.MethodType(ep_experts_forward, m)
         eps.append(ep)

@@ -7,8 +7,8 @@ See docs/expert_parallel.md. Names are imported on first use.
 import importlib
 
 _LAZY = {"ExpertParallel": "lrmoe.parallel.runtime", "ExpertParallelExperts": "lrmoe.parallel.runtime",
-         "ep_experts": "lrmoe.parallel.runtime", "EPCommunicationError": "lrmoe.parallel.runtime",
-         "EPOutOfMemoryError": "lrmoe.parallel.runtime", "finish_grad_sync": "lrmoe.parallel.runtime",
+         "ep_experts": "lrmoe.parallel.runtime", "EPCommunicationError": "lrmoe.parallel.collectives",
+         "EPOutOfMemoryError": "lrmoe.parallel.runtime", "finish_grad_sync": "lrmoe.parallel.grad_sync",
          "init_distributed": "lrmoe.parallel.launch"}
 __all__ = sorted(_LAZY)
 

@@ -2,7 +2,7 @@
 
 Given this step's exact demand d_{r,e}, the planner decides together
 
-* the backward retention quota q_e of every expert (``lrmoe.quota.compute_quota``; the total
+* the backward retention quota q_e of every expert (``lrmoe.planning.quota.compute_quota``; the total
   n_keep <= round((1 - drop_ratio) * P) is bisected down until the plan fits the memory budget), and
 * the replicas and the routing of every expert's pairs to its instances.
 
@@ -43,26 +43,23 @@ import math
 
 import numpy as np
 
-import torch
-
-from ..quota import check_drop_ratio, compute_quota, quota_for, retained_total
 from .memory import instance_bytes, token_row_bytes
 from .plan import (Cluster, ModelDims, largest_remainder, locality_split, make_plan, owned_layout,
                    replica_instances, resolve_budget)
+from .quota import check_drop_ratio, compute_quota, quota_for, retained_total
 
 _EPS = 1e-9
 
 
 def _quota(d_E: np.ndarray, n_keep: int, policy: str, options: dict, drop_ratio: float) -> np.ndarray:
-    """Quotas summing exactly to n_keep from the quota policy (the single-process layer's code).
+    """Quotas summing exactly to n_keep from the planner quota policy (the numpy twin of the layer's).
 
     At the policy's own n_keep the drop ratio is passed on, so the quotas equal the layer's."""
     P = int(d_E.sum())
     if n_keep >= P:
         return d_E.copy()
     exact = n_keep == retained_total(P, drop_ratio)
-    return quota_for(torch.from_numpy(np.ascontiguousarray(d_E, dtype=np.int64)), n_keep, policy,
-                     drop_ratio=drop_ratio if exact else None, **options).numpy()
+    return quota_for(d_E, n_keep, policy, drop_ratio=drop_ratio if exact else None, **options)
 
 
 def _greedy(tau, cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, domain_G, rep_bytes, budget,
@@ -294,7 +291,7 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
     """LRMoE joint planner (module docstring).
 
     drop_ratio: requested backward drop ratio rho (kept pairs = round((1 - rho) P)).
-    quota_policy / quota_options: a registered ``lrmoe.quota`` policy and its keyword options.
+    quota_policy / quota_options: a registered ``lrmoe.planning.quota`` policy and its keyword options.
     replica_slots: replica slots per rank (default and maximum S - E/G).
     backward_weight: cost of a kept backward row in forward rows (2.0).
     min_rows: smallest replica worth its weight transfer, in rows (1).

@@ -60,6 +60,9 @@ class Cluster:
                 raise ValueError(f"Cluster.{name} must be an integer >= 1, got {v!r}")
         G = int(self.num_ranks)
         domains = self.fast_domains if self.fast_domains is not None else (tuple(range(G)),)
+        if not _is_int_groups(domains):
+            raise ValueError(f"Cluster.fast_domains must be None or groups of integer ranks, e.g. ((0, 1), (2, 3)), "
+                             f"got {self.fast_domains!r}")
         domains = tuple(tuple(int(r) for r in dom) for dom in domains)
         if sorted(r for dom in domains for r in dom) != list(range(G)) or any(not dom for dom in domains):
             raise ValueError(f"Cluster.fast_domains must partition ranks 0..{G - 1} into non-empty groups, "
@@ -102,6 +105,17 @@ class ModelDims:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
                 raise ValueError(f"ModelDims.{name} must be an integer >= 0, got {v!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"ModelDims.top_k must be <= num_experts = {self.num_experts} (each token picks top_k "
+                             f"distinct experts), got {self.top_k}")
+
+
+def _is_int_groups(domains) -> bool:
+    """Whether ``domains`` is an iterable of iterables of integers (bools and strings excluded)."""
+    def ints(dom):
+        return not isinstance(dom, (str, bytes)) and hasattr(dom, "__iter__") and all(
+            isinstance(r, (int, np.integer)) and not isinstance(r, bool) for r in dom)
+    return not isinstance(domains, (str, bytes)) and hasattr(domains, "__iter__") and all(ints(d) for d in domains)
 
 
 @dataclass(frozen=True)

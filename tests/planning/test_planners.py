@@ -1,5 +1,6 @@
-"""Placement planners: shared invariants, each policy's defining property, budgets and fallbacks."""
-import itertools
+"""Placement planners: the interface, shared invariants, each baseline's defining property
+(Megatron-LM fixed ownership, SYMI, UltraEP), budgets and fallbacks. LRMoE's planner:
+test_lrmoe_plan.py."""
 import math
 from fractions import Fraction
 
@@ -11,35 +12,8 @@ from baselines.symi import SymiState, symi_slot_counts
 from baselines.ultraep import ultraep_feasible, ultraep_threshold
 from lrmoe.planning import Cluster, ModelDims
 from lrmoe.planning.policies import placement_policies, plan_placement, register_placement, unregister_placement
-from lrmoe.planning import plan as plan_mod
-from lrmoe.planning.plan import largest_remainder
 from lrmoe.planning.memory import instance_bytes
-from lrmoe.quota import compute_quota, retained_total
-
-DIMS = ModelDims(hidden=64, intermediate=32, num_experts=8, top_k=2)
-CLUSTER = Cluster(num_ranks=4, slots_per_rank=4)  # 2 owned + 2 replica slots per rank
-OPTIONS = {"fixed": {}, "symi": {}, "ultraep": {"min_tokens": 4}, "ultraep_greedy": {}, "lrmoe": {"drop_ratio": 0.2}}
-DROPLESS = {"fixed", "ultraep", "ultraep_greedy", "lrmoe"}
-KINDS = ("random", "skewed", "zero_rank", "empty_experts")
-SEEDS = (0, 1, 2, 3)
-
-
-def make_demand(kind, seed, G=4, E=8):
-    rng = np.random.default_rng(seed)
-    d = rng.integers(0, 60, (G, E))
-    if kind == "skewed":  # one expert carries half of all pairs
-        hot = int(rng.integers(E))
-        d[:, hot] = 0
-        d[:, hot] = np.diff(np.r_[0, np.sort(rng.integers(0, d.sum() + 1, G - 1)), d.sum()])
-    elif kind == "zero_rank":
-        d[int(rng.integers(G))] = 0
-    elif kind == "empty_experts":
-        d[:, rng.permutation(E)[: E // 2]] = 0
-    return d
-
-
-def plan(name, d, budget=math.inf, cluster=CLUSTER, dims=DIMS, **kw):
-    return plan_placement(name, d, cluster, dims, budget, **{**OPTIONS[name], **kw})
+from planner_cases import CLUSTER, DIMS, DROPLESS, KINDS, SEEDS, make_demand, plan
 
 
 def expected_memory(p, dims=DIMS, optimizer_on_gpu=True):
@@ -243,6 +217,39 @@ def test_symi_even_split_and_capacity(seed):
     assert capped.dropped_GE.sum() == np.maximum(rows - cap, 0).sum()
 
 
+# SYMI slot counts: exact ties
+
+def symi_exact(pop, slots):
+    """SYMI's published allocation in rational arithmetic (ties to the lower index)."""
+    if sum(pop) == 0:
+        pop = [1] * len(pop)
+    goal = [Fraction(p, sum(pop)) * slots for p in pop]
+    cnt = [max(math.floor(g), 1) for g in goal]
+    diff = [c - g for c, g in zip(cnt, goal)]
+    while sum(cnt) > slots:
+        i = max((j for j in range(len(cnt)) if cnt[j] > 1), key=lambda j: (diff[j], -j))
+        cnt[i] -= 1
+        diff[i] -= 1
+    while sum(cnt) < slots:
+        i = min(range(len(cnt)), key=lambda j: (diff[j], j))
+        cnt[i] += 1
+        diff[i] += 1
+    return cnt
+
+
+def test_symi_slot_count_ties_go_to_the_lower_index():
+    assert symi_slot_counts([1, 7, 1], 12).tolist() == [2, 9, 1]  # float rounding gave [1, 10, 1]
+    assert symi_slot_counts([13, 32, 11], 8).tolist() == [2, 5, 1]  # float rounding gave [2, 4, 2]
+    rng = np.random.default_rng(5)
+    for _ in range(2000):
+        E = int(rng.integers(1, 9))
+        slots = int(rng.integers(E, 3 * E + 4))
+        pop = rng.integers(0, 50, E).tolist()
+        if rng.random() < 0.3:
+            pop[rng.integers(E)] += int(rng.integers(100, 10000))
+        assert symi_slot_counts(pop, slots).tolist() == symi_exact(pop, slots), (pop, slots)
+
+
 # ----------------------------------------------------------------------------- UltraEP
 def _brute_force_threshold(load, owner, free, domain, min_tokens):
     rank_load = np.bincount(owner, weights=load, minlength=len(free))
@@ -314,121 +321,18 @@ def test_ultraep_greedy_even_split(kind):
         assert p.rows_G.max() <= plan("fixed", d).rows_G.max()
 
 
-# ----------------------------------------------------------------------------- LRMoE
-@pytest.mark.parametrize("policy", ["waterfill", "proportional"])
-@pytest.mark.parametrize("kind", KINDS)
-def test_lrmoe_keeps_exactly_the_quota_without_pressure(kind, policy):
-    for seed in SEEDS:
-        for rho in (0.0, 0.1, 0.3):
-            d = make_demand(kind, seed)
-            p = plan("lrmoe", d, drop_ratio=rho, quota_policy=policy)
-            np.testing.assert_array_equal(p.kept_E, compute_quota(d.sum(0), rho, policy))
-            assert p.kept_N.sum() == retained_total(int(d.sum()), rho)
-            assert p.dropped_GE.sum() == 0  # the forward is complete
-            # balancing never makes the slowest rank slower than fixed ownership with the same quotas
-            fixed_cost = np.bincount(np.arange(8) // 2, weights=d.sum(0) + 2 * p.kept_E, minlength=4)
-            assert p.cost_G().max() <= fixed_cost.max()
-            assert p.cost_G().max() <= p.info["threshold"] + 2 * len(p.instances)  # rounding of kept rows
+# UltraEP's EPLB-like fallback across fast domains
 
-
-def _roundings(shares):
-    """Every way to round the exact shares (Fractions) of one expert's instances to integers,
-    each floor or ceil, keeping the expert's total (brute force)."""
-    floors = [math.floor(x) for x in shares]
-    units = round(sum(shares)) - sum(floors)
-    frac = [j for j, x in enumerate(shares) if x != math.floor(x)]
-    for pick in itertools.combinations(frac, units):
-        yield [f + (j in pick) for j, f in enumerate(floors)]
-
-
-def test_lrmoe_rounding_of_instance_quotas_meets_the_threshold():
-    """The review's counter-example (largest remainder gave rank 0 a cost of 23 with tau = 22),
-    then random small cases against a brute force over every rounding of the instances' shares."""
-    d = np.array([[3, 6], [9, 3]])
-    p = plan_placement("lrmoe", d, Cluster(2, 2), ModelDims(8, 4, 2, 2, 8), math.inf, drop_ratio=0.5)
-    assert p.cost_G(2.0).max() <= p.info["threshold"] == 22
-    rng = np.random.default_rng(7)
-    checked = flow_cases = 0
-    for _ in range(300):  # small demands and large drop ratios make rounding matter (~5 % of cases)
-        G = int(rng.integers(2, 5))
-        E = G * int(rng.integers(1, 3))
-        d = rng.integers(0, 6, (G, E))
-        d[:, int(rng.integers(E))] += rng.integers(0, 15, G)  # a hot expert, so replicas appear
-        rho = float(rng.choice([0.3, 0.5, 0.7]))
-        cluster, dims = Cluster(G, E // G + 2), ModelDims(8, 4, E, 2, 8)
-        p = plan_placement("lrmoe", d, cluster, dims, math.inf, drop_ratio=rho)
-        tau = p.info["threshold"]
-        rows_G = p.rows_G.astype(float)
-        # every instance within 1 of its exact share, expert totals exact
-        per_expert = [np.flatnonzero(p.expert_N == e) for e in range(E)]
-        options = []
-        for e, cols in enumerate(per_expert):
-            dE = int(p.rows_N[cols].sum())
-            shares = [Fraction(int(p.kept_E[e]) * int(p.rows_N[n]), dE) if dE else Fraction(0) for n in cols]
-            assert all(abs(p.kept_N[n] - x) < 1 for n, x in zip(cols, shares))
-            options.append(list(_roundings(shares)))
-        best = math.inf
-        for combo in itertools.product(*options):
-            K = np.zeros(G)
-            for cols, parts in zip(per_expert, combo):
-                np.add.at(K, p.rank_N[cols], parts)
-            best = min(best, (rows_G + 2 * K).max())
-        got = p.cost_G(2.0).max()
-        lr_kept = [largest_remainder(int(p.kept_E[e]), p.rows_N[cols]) for e, cols in enumerate(per_expert)]
-        K_lr = np.zeros(G)
-        for cols, parts in zip(per_expert, lr_kept):
-            np.add.at(K_lr, p.rank_N[cols], parts)
-        if (rows_G + 2 * K_lr).max() <= tau:  # largest remainder is kept when it meets tau
-            assert all((p.kept_N[cols] == parts).all() for cols, parts in zip(per_expert, lr_kept))
-        else:  # otherwise the smallest achievable maximum (within tau whenever any rounding is)
-            assert got == best, (d.tolist(), rho, got, best)
-            flow_cases += 1
-        assert got <= tau or best > tau
-        checked += 1
-    assert checked == 300 and flow_cases >= 5
-
-
-def test_lrmoe_retained_demand_drives_replicas():
-    """The paper's figure: loads [4, 2, 3]; after trimming, the hot expert needs no replica."""
-    d = np.array([[2, 1, 1], [1, 1, 1], [1, 0, 1]])
-    dims, cluster = ModelDims(64, 32, 3), Cluster(3, 2)
-    full = plan_placement("lrmoe", d, cluster, dims, math.inf)
-    trimmed = plan_placement("lrmoe", d, cluster, dims, math.inf, drop_ratio=1 / 3)
-    assert full.is_replica_N.sum() == 1 and full.instances[3].expert == 0
-    np.testing.assert_array_equal(trimmed.kept_E, [2, 2, 2])
-    assert trimmed.is_replica_N.sum() == 0
-    for seed in SEEDS:
-        d = make_demand("skewed", seed)
-        n_replicas = [plan("lrmoe", d, drop_ratio=rho).is_replica_N.sum() for rho in (0.5, 0.0)]
-        assert n_replicas[0] <= n_replicas[1]
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_lrmoe_never_exceeds_budget_nor_keeps_too_few(kind):
-    shrunk = 0
-    for seed in SEEDS:
-        d = make_demand(kind, seed)
-        free = plan("lrmoe", d)
-        static = free.memory.base_G.max()
-        for frac in (0.95, 0.8, 0.6, 0.4):
-            budget = static + frac * (free.memory.peak - static)
-            p = plan("lrmoe", d, budget)
-            assert p.fits and p.memory.peak <= budget
-            assert p.dropped_GE.sum() == 0
-            kept, P = int(p.kept_N.sum()), int(p.demand_GE.sum())
-            if not p.over_budget:  # placement alone made it fit: the quota is untouched
-                assert p.fallback == "none" and kept == retained_total(P, 0.2)
-            elif p.fallback == "shrink_quota":  # keeping one more pair would not fit
-                assert kept < retained_total(P, 0.2)
-                rho = 1 - (kept + 1) / P
-                more = plan("lrmoe", d, budget, drop_ratio=rho, max_drop_ratio=rho, fallback="oom")
-                assert int(more.kept_N.sum()) == kept + 1 and more.over_budget and not more.fits
-                shrunk += 1
-            else:
-                assert p.fallback.startswith("split_microbatch:") and kept <= retained_total(P, 0.2)
-        oom = plan("lrmoe", d, static * 0.5)
-        assert oom.fallback == "oom" and oom.over_budget and not oom.fits
-    assert shrunk > 0
+def test_ultraep_greedy_uses_free_slots_of_every_domain():
+    """Replicas were counted against the global free slots: the full domain (0, 1) took them all,
+    they were dropped in placement, and the straggler's domain (2, 3) kept its free slots."""
+    load = [60, 60, 20, 60, 60, 20, 50, 50, 50, 0, 0, 0]
+    d = np.vstack([load, np.zeros((3, 12), dtype=int)])
+    cluster = Cluster(4, 4, fast_domains=((0, 1), (2, 3)))
+    p = plan_placement("ultraep_greedy", d, cluster, ModelDims(16, 8, 12, 1), math.inf)
+    hosts = {(inst.expert, inst.rank) for inst in p.instances if inst.is_replica}
+    assert (6, 3) in hosts  # the straggler's hottest expert, on the idle rank of its domain
+    assert p.rows_G[2] < 150  # the straggler's load went down
 
 
 # ----------------------------------------------------------------------------- baseline fallbacks
