@@ -10,7 +10,7 @@ from pathlib import Path
 
 from lrmoe.files import CorruptFileError, read_json, write_json
 from lrmoe.run_folder import read_summary
-from lrmoe.train.loop import config_differences
+from lrmoe.train import config_differences
 
 from .spec import RunSpec
 

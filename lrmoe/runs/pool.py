@@ -46,14 +46,17 @@ def train_one(spec: dict, out_dir: str, progress: bool) -> dict:
     from lrmoe.train import train
 
     t0 = time.perf_counter()
-    s = train(cfg, out_dir, progress=progress)
+    try:
+        s = train(cfg, out_dir, progress=progress)
+    except KeyboardInterrupt as e:  # stopped at a step boundary (checkpoint written): a plain, picklable one
+        raise KeyboardInterrupt(str(e)) from None
     return {"name": spec["name"], "status": s["status"], "final": s.get("final", {}),
             "wall_s": time.perf_counter() - t0}
 
 
 def prepare_data(runs: list[RunSpec]) -> None:
     """Tokenise and pack each distinct data config once, before any worker starts."""
-    from lrmoe.train.loop import load_data
+    from lrmoe.train import load_data
 
     seen = set()
     for r in runs:
@@ -171,7 +174,7 @@ def _init_group(runs: list[RunSpec]):
     """Under torchrun: the process group of every run of this process (a process group cannot be
     created again after it was destroyed); returns the function that destroys it."""
     from lrmoe.parallel.launch import init_distributed, shutdown
-    from lrmoe.train.loop import resolve_device
+    from lrmoe.train import resolve_device
 
     cuda = any(resolve_device(r.train_config().device).type == "cuda" for r in runs)
     init_distributed(backend="nccl" if cuda else "gloo")
