@@ -63,9 +63,44 @@ def check_routing_shapes(T: int, top_k_index_TK: torch.Tensor, top_k_weights_TK:
         raise ValueError(f"top_k_index must be an integer tensor, got {top_k_index_TK.dtype}")
 
 
+def compute_dtypes(hidden_TH: torch.Tensor, weight: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
+    """The dtypes the experts see for the hidden states and the weights (:func:`autocast_inputs`'
+    casts applied)."""
+    dt = autocast_dtype(hidden_TH.device)
+    cast = lambda d: dt if dt is not None and d == torch.float32 else d  # noqa: E731
+    return cast(hidden_TH.dtype), cast(weight.dtype)
+
+
+def check_hidden(hidden_TH: torch.Tensor, weight: torch.Tensor, name: str = "hidden_TH") -> None:
+    """ValueError unless the hidden states can enter experts with weights like ``weight``.
+
+    The dtype rule: the experts compute in the weights' dtype (inside ``torch.autocast``: the
+    autocast dtype, see :func:`autocast_inputs`) and return y in the hidden states' dtype. Hidden
+    states must be floating point, on the weights' device, and of a dtype the compute dtype holds
+    exactly (``torch.promote_types(hidden, weights) == weights``: bf16 or fp16 states into fp32
+    weights are fine; fp64 states into fp32 weights, or fp32 into bf16, are refused rather than
+    silently rounded)."""
+    if not hidden_TH.dtype.is_floating_point:
+        raise ValueError(f"{name} must be a floating-point tensor, got {hidden_TH.dtype} (cast it, e.g. x.float())")
+    if hidden_TH.device != weight.device:
+        raise ValueError(f"{name} is on {hidden_TH.device} but the expert weights are on {weight.device}; "
+                         f"move both to one device")
+    h_dt, w_dt = compute_dtypes(hidden_TH, weight)
+    if torch.promote_types(h_dt, w_dt) != w_dt:
+        where = " (the autocast dtype)" if w_dt != weight.dtype else ""
+        raise ValueError(f"{name} is {h_dt} but the experts compute in {w_dt}{where}, which would round it; "
+                         f"accepted: hidden states of a dtype {w_dt} holds exactly (torch.promote_types(hidden, "
+                         f"{w_dt}) == {w_dt}); cast the input or the layer (e.g. layer.to({h_dt}))")
+
+
 def _check_inputs(hidden_TH, top_k_index_TK, top_k_weights_TK, gate_up_proj, down_proj):
     if hidden_TH.dim() != 2:
         raise ValueError(f"hidden_TH must be [T, H], got shape {tuple(hidden_TH.shape)}")
+    check_hidden(hidden_TH, gate_up_proj)
+    for name, t in (("down_proj", down_proj), ("top_k_index", top_k_index_TK), ("top_k_weights", top_k_weights_TK)):
+        if t.device != gate_up_proj.device:
+            raise ValueError(f"{name} is on {t.device} but gate_up_proj is on {gate_up_proj.device}; "
+                             f"every input of the experts must be on one device")
     T, H = hidden_TH.shape
     if gate_up_proj.dim() != 3 or down_proj.dim() != 3:
         raise ValueError("gate_up_proj must be [E, 2I, H] and down_proj [E, H, I], got "
@@ -161,7 +196,10 @@ class Stopwatch:
             self._last = now
 
 
-class _SelectiveExperts(torch.autograd.Function):
+class SelectiveExperts(torch.autograd.Function):
+    """The autograd Function :func:`lrmoe_experts` applies (call that, not this). Public so that
+    tools (the training step timer) can recognise its backward node by identity."""
+
     @staticmethod
     def forward(ctx, hidden_TH, top_k_weights_TK, gate_up_proj, down_proj, top_k_index_TK, policy, record):
         T, K = top_k_index_TK.shape
@@ -217,7 +255,7 @@ class _SelectiveExperts(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g_TH):
         with autocast_off(g_TH.device):  # explicit dtypes, also when backward runs inside autocast
-            return _SelectiveExperts._backward(ctx, g_TH)
+            return SelectiveExperts._backward(ctx, g_TH)
 
     @staticmethod
     def _backward(ctx, g_TH):
@@ -306,11 +344,12 @@ def lrmoe_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_w
 
     Inside ``torch.autocast``, float32 ``hidden_TH`` and weights are cast to the autocast dtype
     first (:func:`autocast_inputs`; y is then in that dtype); the function itself runs with
-    autocast off."""
+    autocast off. Hidden states must be floating point, on the weights' device, and of a dtype
+    the compute dtype holds exactly (:func:`check_hidden`); otherwise ValueError."""
     policy = check_policy(policy)
     _check_inputs(hidden_TH, top_k_index_TK, top_k_weights_TK, gate_up_proj, down_proj)
     policy = policy.snapshot(hidden_TH.device)
     hidden_TH, gate_up_proj, down_proj = autocast_inputs(hidden_TH, gate_up_proj, down_proj)
     with autocast_off(hidden_TH.device):
-        return _SelectiveExperts.apply(hidden_TH, top_k_weights_TK, gate_up_proj, down_proj,
+        return SelectiveExperts.apply(hidden_TH, top_k_weights_TK, gate_up_proj, down_proj,
                                        top_k_index_TK.to(torch.int64), policy, record)

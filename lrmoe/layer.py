@@ -2,14 +2,23 @@
 from __future__ import annotations
 
 import math
+import numbers
 import weakref
 
 import torch
 from torch import nn
 
-from .experts import lrmoe_experts
+from .experts import check_hidden, lrmoe_experts
 from .policy import BackwardPolicy, BackwardRecord, check_policy
 from .router import load_balancing_loss, make_router
+
+
+def check_std(std, name: str) -> None:
+    """ValueError unless ``std`` is None (1/sqrt(fan_in)) or a finite real number >= 0 (0: zeros)."""
+    if std is not None and (isinstance(std, bool) or not isinstance(std, numbers.Real) or not math.isfinite(std)
+                            or std < 0):
+        raise ValueError(f"{name} must be a finite number >= 0 (0 initialises to zeros), or None for "
+                         f"1/sqrt(fan_in), got {std!r}")
 
 
 class LRMoEExperts(nn.Module):
@@ -73,6 +82,7 @@ class LRMoELayer(nn.Module):
             raise ValueError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
         if isinstance(n_shared_experts, bool) or not isinstance(n_shared_experts, int) or n_shared_experts < 0:
             raise ValueError(f"n_shared_experts must be an int >= 0, got {n_shared_experts!r}")
+        check_std(init_std, "init_std")
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
         self.gate = make_router(router, hidden_size, num_experts, top_k, norm_topk_prob=norm_topk_prob, **router_kwargs)
         self.experts = LRMoEExperts(num_experts, hidden_size, intermediate_size, policy)
@@ -87,6 +97,7 @@ class LRMoELayer(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, std: float | None = None) -> None:
         """Normal init with ``std`` (default 1/sqrt(fan_in) per projection, like nn.Linear's scale)."""
+        check_std(std, "std")
         H, I = self.hidden_size, self.experts.intermediate_size
         scale = (lambda fan_in: 1 / math.sqrt(fan_in)) if std is None else (lambda fan_in: std)  # noqa: E731
         self.gate.weight.normal_(0.0, scale(H))
@@ -114,6 +125,7 @@ class LRMoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 0 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"input's last dimension must be hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
+        check_hidden(x, self.experts.gate_up_proj, name="the layer's input")  # before the router casts it
         x_TH = x.reshape(-1, self.hidden_size)
         logits, weights, index = self.gate(x_TH)
         self.last_router_logits, self.last_top_k_index = logits, index

@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from .kernels.grouped_gemm import BACKENDS
-from .quota import check_drop_ratio, get_quota_policy
+from .quota import check_drop_ratio, check_min_keep, get_quota_policy
 from .scorers import get_scorer
 
 MODES = ("full", "compact", "mask")
@@ -66,8 +66,12 @@ class BackwardPolicy:
                 raise ValueError(f"{name} must be a dict of keyword arguments, got {getattr(self, name)!r}")
         _check_kwargs("scorer", self.scorer, scorer_fn, self.scorer_kwargs, skip=1)
         _check_kwargs("quota policy", self.quota, quota_fn, self.quota_kwargs, skip=2, reserved=("drop_ratio",))
-        if self.fuse_gather not in (None, True, False):
+        if not any(self.fuse_gather is v for v in (None, True, False)):  # not 1 or 0: those compare equal
             raise ValueError(f"fuse_gather must be None, True or False, got {self.fuse_gather!r}")
+        if not isinstance(self.profile, bool):
+            raise ValueError(f"profile must be a bool (True or False), got {self.profile!r}")
+        if "min_keep" in self.quota_kwargs:  # fail at construction, not at the first backward
+            check_min_keep(self.quota_kwargs["min_keep"])
         return self
 
     def __getstate__(self):  # generators are device state, not configuration

@@ -6,8 +6,9 @@ gradient is the rank-one ``(alpha_u g_t) phi_u^T``, whose squared Frobenius norm
 Recalibration Metric ``R_u = alpha_u^2 * ||g_t||^2 * ||phi_u||^2`` (scorer ``lrm``).
 
 Built-in scorers: ``lrm``, ``lrm_input`` (phi = the expert input x_t instead of h_u, an ablation),
-``grad_norm`` (||g_t||^2), ``abs_grad`` (||g_t||_1), ``random`` (uniform, seeded). Register your
-own with :func:`register_scorer`.
+``grad_norm`` (||g_t||^2), ``abs_grad`` (||g_t||_1), ``random`` (uniform, seeded), listed in the
+registry at the end of this module. Register your own with :func:`register_scorer` (a name that
+exists raises unless ``override=True``) and remove it with :func:`unregister_scorer`.
 """
 from __future__ import annotations
 
@@ -20,12 +21,6 @@ import torch
 from .registry import Registry
 
 ScorerFn = Callable[..., torch.Tensor]
-_SCORERS = Registry("scorer")
-#: ``register_scorer(name, fn)`` or ``@register_scorer(name)``: ``fn(inputs: ScoreInputs, **kw) -> scores [T, K]``.
-register_scorer = _SCORERS.register
-#: Names of the registered scorers.
-scorers = _SCORERS.names
-get_scorer = _SCORERS.get
 
 
 def row_norm2(x_NH: torch.Tensor) -> torch.Tensor:
@@ -58,28 +53,35 @@ class ScoreInputs:
         return (x * x).sum(-1)
 
 
-@register_scorer("lrm")
 def lrm_score(inp: ScoreInputs) -> torch.Tensor:
     a = inp.alpha_TK.float()
     return a * a * inp.grad_norm2_T[:, None] * inp.phi_norm2_TK.float()
 
 
-@register_scorer("lrm_input")
 def lrm_input_score(inp: ScoreInputs) -> torch.Tensor:
     a = inp.alpha_TK.float()
     return a * a * (inp.grad_norm2_T * inp.input_norm2_T)[:, None]
 
 
-@register_scorer("grad_norm")
 def grad_norm_score(inp: ScoreInputs) -> torch.Tensor:
     return inp.grad_norm2_T[:, None].expand(inp.alpha_TK.shape)
 
 
-@register_scorer("abs_grad")
 def abs_grad_score(inp: ScoreInputs) -> torch.Tensor:
     return inp.grad_TH.float().abs().sum(-1)[:, None].expand(inp.alpha_TK.shape)
 
 
-@register_scorer("random")
 def random_score(inp: ScoreInputs) -> torch.Tensor:
     return torch.rand(inp.alpha_TK.shape, generator=inp.generator, device=inp.alpha_TK.device)
+
+
+_SCORERS = Registry("scorer", builtins={"lrm": lrm_score, "lrm_input": lrm_input_score, "grad_norm": grad_norm_score,
+                                        "abs_grad": abs_grad_score, "random": random_score})
+#: ``register_scorer(name, fn, *, override=False)`` or ``@register_scorer(name)``:
+#: ``fn(inputs: ScoreInputs, **kw) -> scores [T, K]``; a name that exists raises unless ``override=True``.
+register_scorer = _SCORERS.register
+#: ``unregister_scorer(name)``: remove a registered scorer (e.g. a test's temporary one).
+unregister_scorer = _SCORERS.unregister
+#: Names of the registered scorers.
+scorers = _SCORERS.names
+get_scorer = _SCORERS.get

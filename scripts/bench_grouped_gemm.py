@@ -283,7 +283,7 @@ def experts_section(model, H, I, E, P, device, dtype, reps, warmup):
 def autotune_choices() -> dict:
     """The config autotune picked per kernel and key (empty under the interpreter: one config)."""
     return {name: {str(k): str(v) for k, v in getattr(kernel, "cache", {}).items()}
-            for name, kernel in (("row_split", tgg._row_split_kernel), ("contraction_split", tgg._contraction_split_kernel))}
+            for name, kernel in (("row_split", tgg.row_split_kernel), ("contraction_split", tgg.contraction_split_kernel))}
 
 
 def targets(pass_rows, peak) -> list[str]:
@@ -339,7 +339,7 @@ def main(argv=None) -> dict:
                                                  for r in gemm_rows + fused_rows + expert_rows if not r.get("valid", True)],
                    "rows_per_rank": P, "local_experts": E, "models": {m: dict(H=h, I=i) for m, (h, i) in models.items()},
                    "peak_tflops_measured": peak, "peak_tflops_reference": PEAK_REF_TFLOPS,
-                   "tma_failed": tgg._TMA_FAILED, "autotune": autotune_choices(), "environment": environment(device),
+                   "tma_failed": tgg.TMA_FAILED, "autotune": autotune_choices(), "environment": environment(device),
                    "gemm": gemm_rows,
                    "passes": pass_rows, "fused": fused_rows, "experts": expert_rows, "targets": lines, "errors": errors}
         write_json(path, payload)

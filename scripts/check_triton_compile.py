@@ -1,7 +1,7 @@
 """Compile every Triton grouped-GEMM kernel the kit launches for a GPU architecture, on any machine.
 
 No GPU needed: Triton compiles for a named target (default sm_90, Hopper) down to a cubin with the
-ptxas bundled in its wheel. The launches come from the real code (``lrmoe.kernels.aot``): the
+ptxas bundled in its wheel. The launches come from the real code (``scripts/triton_aot.py``): the
 experts' forward and backward in every mode that reaches a different kernel specialisation
 (full / compact, fused gather on / off, bf16 / fp16 / fp32 with IEEE or TF32 products), at
 Qwen3-30B-A3B-like dimensions scaled down, plus the ``accumulate`` and odd-stride calls of the
@@ -39,14 +39,15 @@ if "--reuse-cache" not in sys.argv:  # compile for real (and time it), not from 
     atexit.register(shutil.rmtree, os.environ["TRITON_CACHE_DIR"], ignore_errors=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # triton_aot, the compile tooling beside this script
 
 import torch  # noqa: E402
 
 from lrmoe.environment import environment  # noqa: E402
 from lrmoe.files import write_json  # noqa: E402
 from lrmoe.bench.common import markdown_table  # noqa: E402
-from lrmoe.kernels import aot  # noqa: E402
 from lrmoe.kernels import triton_grouped_gemm as tgg  # noqa: E402
+import triton_aot as aot  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -59,3 +59,31 @@ def make_case(T, H, I, E, K, *, hot=None, empty=(), seed=None):
     dn = torch.randn(E, H, I, dtype=f64, generator=g) / I**0.5
     dy = torch.randn(T, H, dtype=f64, generator=g)
     return x, idx, w, gu, dn, dy
+
+
+# --- runners shared by the core tests: the same case through lrmoe and through the loop -----------
+
+def run_lrmoe(case, policy):
+    """(y, [grad of x, weights, gate_up, down], record) of ``lrmoe_experts`` on a make_case case."""
+    from lrmoe import BackwardRecord, lrmoe_experts
+
+    x, idx, w, gu, dn, dy = case
+    leaves = [t.clone().requires_grad_() for t in (x, w, gu, dn)]
+    rec = BackwardRecord()
+    y = lrmoe_experts(leaves[0], idx, leaves[1], leaves[2], leaves[3], policy, rec)
+    y.backward(dy)
+    return y.detach(), [t.grad for t in leaves], rec
+
+
+def run_loop(case, kept=None):
+    """(y, [grad of x, weights, gate_up, down], ||h||^2) of :func:`moe_loop` on the same case."""
+    x, idx, w, gu, dn, dy = case
+    leaves = [t.clone().requires_grad_() for t in (x, w, gu, dn)]
+    y, h2 = moe_loop(leaves[0], idx, leaves[1], leaves[2], leaves[3], kept)
+    y.backward(dy)
+    return y.detach(), [t.grad for t in leaves], h2
+
+
+def assert_close_all(a, b, what):
+    for name, u, v in zip(("x", "weights", "gate_up_proj", "down_proj"), a, b):
+        torch.testing.assert_close(u, v, rtol=1e-9, atol=1e-10, msg=lambda m: f"{what}: grad of {name}: {m}")

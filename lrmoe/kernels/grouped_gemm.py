@@ -29,75 +29,22 @@ computed there).
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
+
+from .checks import check_call, check_ends, check_grouped_mm_args
 
 BACKENDS = ("auto", "triton", "torch", "loop")
 _TORCH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def check_grouped_mm_args(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *,
-                          a_index: torch.Tensor | None = None, b_index: torch.Tensor | None = None) -> int:
-    """Validate operands (the contraction length counts logical, i.e. indexed, rows); return the number of groups."""
-    if offs.dim() != 1 or offs.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"offs must be a 1-D int32 (or int64) tensor of cumulative end offsets, got "
-                         f"{offs.dtype} of shape {tuple(offs.shape)}")
-    if mat_a.dim() != 2 or mat_b.dim() not in (2, 3):
-        raise ValueError(f"grouped_mm accepts 2D x 3D (row split) or 2D x 2D (contraction split), got "
-                         f"{mat_a.dim()}D x {mat_b.dim()}D")
-    if mat_a.dtype != mat_b.dtype:
-        raise ValueError(f"mat_a and mat_b must share a dtype, got {mat_a.dtype} and {mat_b.dtype}")
-    G = offs.numel()
-    if mat_b.dim() == 3:
-        if mat_b.shape[0] != G:
-            raise ValueError(f"mat_b has {mat_b.shape[0]} groups but offs has {G}")
-        if mat_a.shape[1] != mat_b.shape[1]:
-            raise ValueError(f"inner dimensions differ: mat_a [M, {mat_a.shape[1]}] vs mat_b [G, {mat_b.shape[1]}, N]")
-    else:
-        m_a = a_index.numel() if a_index is not None else mat_a.shape[1]
-        m_b = b_index.numel() if b_index is not None else mat_b.shape[0]
-        if m_a != m_b:
-            raise ValueError(f"contraction dimensions differ: mat_a [K, {m_a}] vs mat_b [{m_b}, N] (logical, after indexing)")
-    return G
-
-
-def check_index(name: str, index: torch.Tensor | None, device: torch.device) -> None:
-    if index is None:
-        return
-    if index.dim() != 1 or index.dtype not in (torch.int32, torch.int64) or index.device != device:
-        raise ValueError(f"{name} must be a 1-D int32/int64 tensor on {device}, got {index.dtype} of shape "
-                         f"{tuple(index.shape)} on {index.device}")
-
-
-def check_out(out: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torch.device, exact: bool) -> None:
-    ok = out.dtype == dtype and out.device == device and out.dim() == len(shape)
-    ok = ok and (tuple(out.shape) == shape if exact else tuple(out.shape[1:]) == shape[1:])
-    if not ok:
-        want = f"[{shape[0] if exact else '*'}, {', '.join(map(str, shape[1:]))}]"
-        raise ValueError(f"out must be a {dtype} tensor of shape {want} on {device}, got {out.dtype} of shape "
-                         f"{tuple(out.shape)} on {out.device}")
-
-
-def check_fused_args(mat_a, mat_b, offs, a_index, b_index, out_index, out) -> None:
-    """ValueError for indices that are not 1-D int32/int64 on the operands' device, an ``out_index``
-    of the wrong length, or an ``out`` of the wrong shape, dtype or device (every backend)."""
-    device = mat_a.device
-    for name, index in (("a_index", a_index), ("b_index", b_index), ("out_index", out_index)):
-        check_index(name, index, device)
-    if mat_b.dim() == 3:
-        M = a_index.numel() if a_index is not None else mat_a.shape[0]
-        if out_index is not None and out_index.numel() != M:
-            raise ValueError(f"out_index must hold one output row per logical row of mat_a ({M}), got "
-                             f"{out_index.numel()}")
-        if out is not None:
-            check_out(out, (M, mat_b.shape[2]), mat_a.dtype, device, exact=out_index is None)
-    elif out is not None:
-        check_out(out, (offs.numel(), mat_a.shape[0], mat_b.shape[1]), mat_a.dtype, device, exact=True)
-
-
 def grouped_mm_loop(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Reference: one ``torch.mm`` per group (one host sync to read the offsets)."""
+    """Reference: one ``torch.mm`` per group (one host sync to read the offsets, which are then
+    checked: non-negative and non-decreasing)."""
     ends = offs.tolist()
+    check_ends(ends)
     start = 0
     if mat_b.dim() == 3:
         out = mat_a.new_zeros(mat_a.shape[0], mat_b.shape[2])
@@ -114,7 +61,7 @@ def grouped_mm_loop(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor
     return out
 
 
-def _aligned(t: torch.Tensor) -> bool:
+def aligned(t: torch.Tensor) -> bool:
     """Whether F.grouped_mm accepts ``t``'s layout: a 16-byte aligned base pointer, and the matrix
     (last two dims) row- or column-major with its leading stride a multiple of 16 bytes — decided
     as torch decides it (a [M, 1] matrix with strides (1, 1) counts as row-major with leading stride
@@ -132,19 +79,42 @@ def _aligned(t: torch.Tensor) -> bool:
 
 
 def torch_backend_ok(mat_a: torch.Tensor, mat_b: torch.Tensor) -> bool:
-    return mat_a.dtype in _TORCH_DTYPES and _aligned(mat_a) and _aligned(mat_b)
+    return mat_a.dtype in _TORCH_DTYPES and aligned(mat_a) and aligned(mat_b)
 
 
 def grouped_mm_torch(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return F.grouped_mm(mat_a, mat_b, offs=offs.to(torch.int32))
 
 
-def _triton_available(device: torch.device) -> bool:
+TRITON_IMPORT_ERROR: list[str] = []  # why lrmoe.kernels.triton_grouped_gemm failed to import, once known
+
+
+def triton_module():
+    """:mod:`lrmoe.kernels.triton_grouped_gemm`, or None when it fails to import (Triton missing or
+    broken). The first failure is reported once with ``warnings.warn``: CUDA then runs the
+    ``torch`` backend where the operands qualify, else ``loop``."""
+    if TRITON_IMPORT_ERROR:
+        return None
     try:
-        from . import triton_grouped_gemm  # noqa: F401
-    except Exception:  # pragma: no cover - triton missing or failing to import
-        return False
-    return triton_grouped_gemm.supported(device)
+        from . import triton_grouped_gemm
+    except Exception as e:  # noqa: BLE001 - any import failure: fall back, but say so
+        TRITON_IMPORT_ERROR.append(f"{type(e).__name__}: {e}")
+        warnings.warn(f"the Triton grouped GEMM failed to import ({TRITON_IMPORT_ERROR[0][:300]}); backend='auto' "
+                      "on CUDA runs backend='torch' (F.grouped_mm) where the operands qualify, else backend='loop'",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    return triton_grouped_gemm
+
+
+def auto_backend(device: torch.device, dtype: torch.dtype, torch_ok: bool) -> str:
+    """What ``backend="auto"`` runs for operands of ``dtype`` on ``device``: triton on CUDA for
+    fp32/bf16/fp16 (when it imports), else torch when ``torch_ok`` (the operands qualify for
+    F.grouped_mm), else loop."""
+    if torch.device(device).type == "cuda" and dtype in _TORCH_DTYPES:
+        tgg = triton_module()
+        if tgg is not None and tgg.supported(device):
+            return "triton"
+    return "torch" if torch_ok else "loop"
 
 
 def resolve_backend(backend: str, mat_a: torch.Tensor, mat_b: torch.Tensor) -> str:
@@ -152,9 +122,7 @@ def resolve_backend(backend: str, mat_a: torch.Tensor, mat_b: torch.Tensor) -> s
         raise ValueError(f"unknown grouped_mm backend {backend!r}; accepted: {list(BACKENDS)}")
     if backend != "auto":
         return backend
-    if mat_a.is_cuda and mat_a.dtype in _TORCH_DTYPES and _triton_available(mat_a.device):
-        return "triton"
-    return "torch" if torch_backend_ok(mat_a, mat_b) else "loop"
+    return auto_backend(mat_a.device, mat_a.dtype, torch_backend_ok(mat_a, mat_b))
 
 
 def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *, backend: str = "auto",
@@ -168,20 +136,16 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *, 
     Not differentiable by itself: the experts function owns the backward and calls this op for
     every GEMM of it."""
     check_grouped_mm_args(mat_a, mat_b, offs, a_index=a_index, b_index=b_index)
-    if b_index is not None and mat_b.dim() == 3:
-        raise ValueError("b_index applies to the contraction split (2D x 2D) only")
-    if out_index is not None and mat_b.dim() == 2:
-        raise ValueError("out_index applies to the row split (2D x 3D) only")
-    if accumulate and out is None:
-        raise ValueError("accumulate=True needs out=")
     auto = backend == "auto"
     backend = resolve_backend(backend, mat_a, mat_b)
-    if backend == "triton":  # validates its own indices and out
-        from . import triton_grouped_gemm
-
-        return triton_grouped_gemm.grouped_mm(mat_a, mat_b, offs, a_index=a_index, b_index=b_index,
-                                              out_index=out_index, out=out, accumulate=accumulate)
-    check_fused_args(mat_a, mat_b, offs, a_index, b_index, out_index, out)
+    if backend == "triton":  # the wrapper runs the same checks (lrmoe.kernels.checks)
+        tgg = triton_module()
+        if tgg is None:
+            raise ValueError(f"backend='triton' needs the Triton grouped GEMM, which failed to import "
+                             f"({TRITON_IMPORT_ERROR[0][:300]}); accepted backends here: auto, torch, loop")
+        return tgg.grouped_mm(mat_a, mat_b, offs, a_index=a_index, b_index=b_index, out_index=out_index, out=out,
+                              accumulate=accumulate)
+    check_call(mat_a, mat_b, offs, a_index, b_index, out_index, out, accumulate)
     # Reference path for the fused indices: explicit gather into contiguous buffers.
     if a_index is not None:
         mat_a = mat_a.index_select(0, a_index) if mat_b.dim() == 3 else mat_a.index_select(1, a_index)

@@ -16,8 +16,10 @@ and un-permutation need no separate copy (ScatterMoE's idea: the gather happens 
   with ``out[g] = sum_{offs[g-1] <= i < offs[g]} mat_a[:, a_index[i]] (outer) mat_b[b_index[i]]``;
   empty groups give zeros (or leave ``out[g]`` unchanged with ``accumulate=True``).
 
-Offsets must be non-decreasing; they are clamped to ``M`` inside the kernels, so rows past ``M``
-are never read. Index values are not checked (an out-of-range index is an out-of-bounds access).
+Offsets must be non-negative and non-decreasing and ``out_index`` must not repeat a value
+(checked for CPU tensors, and on CUDA under anomaly detection: :mod:`lrmoe.kernels.checks`);
+offsets are clamped to ``M`` inside the kernels, so rows past ``M`` are never read. Index values
+are not range-checked (an out-of-range index is an out-of-bounds access).
 fp32 / bf16 / fp16 operands, fp32 accumulation, output in the input dtype; fp32 uses IEEE fp32
 products unless ``torch.backends.cuda.matmul.allow_tf32`` is set. All address arithmetic is int64.
 
@@ -40,6 +42,8 @@ import warnings
 import torch
 import triton
 import triton.language as tl
+
+from .checks import check_call
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -91,7 +95,7 @@ def _mma(a, b, acc, CAST_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
 @triton.autotune(configs=_ROW_CONFIGS, key=["N", "K", "G", "HAS_A_IDX", "HAS_OUT_IDX", "A_TMA", "B_TMA"],
                  restore_value=["out_ptr"])
 @triton.jit
-def _row_split_kernel(a_ptr, b_ptr, out_ptr, offs_ptr, a_idx_ptr, out_idx_ptr, a_desc, b_desc, M, N, K, G,
+def row_split_kernel(a_ptr, b_ptr, out_ptr, offs_ptr, a_idx_ptr, out_idx_ptr, a_desc, b_desc, M, N, K, G,
                       s_am, s_ak, s_bg, s_bk, s_bn, s_om, s_on,
                       HAS_A_IDX: tl.constexpr, HAS_OUT_IDX: tl.constexpr, ACCUMULATE: tl.constexpr,
                       A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
@@ -158,7 +162,7 @@ def _row_split_kernel(a_ptr, b_ptr, out_ptr, offs_ptr, a_idx_ptr, out_idx_ptr, a
 
 @triton.autotune(configs=_WGRAD_CONFIGS, key=["P", "N", "G"], restore_value=["out_ptr"])
 @triton.jit
-def _contraction_split_kernel(a_ptr, b_ptr, out_ptr, offs_ptr, order_ptr, a_idx_ptr, b_idx_ptr, M, P, N, G,
+def contraction_split_kernel(a_ptr, b_ptr, out_ptr, offs_ptr, order_ptr, a_idx_ptr, b_idx_ptr, M, P, N, G,
                               s_ap, s_am, s_bm, s_bn, s_og, s_op, s_on,
                               HAS_A_IDX: tl.constexpr, HAS_B_IDX: tl.constexpr, ACCUMULATE: tl.constexpr,
                               CAST_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -214,15 +218,15 @@ def _kernel_flags(dtype: torch.dtype) -> dict:
     return dict(CAST_FP32=INTERPRET and dtype != torch.float32, INPUT_PRECISION=precision)
 
 
-_TMA_FAILED: list[str] = []  # set once when TMA descriptors fail to compile here; then pointer loads only
+TMA_FAILED: list[str] = []  # set once when TMA descriptors fail to compile here; then pointer loads only
 
 
-def _tma_auto(device: torch.device) -> bool:
-    return (TensorDescriptor is not None and not _TMA_FAILED and device.type == "cuda"
+def tma_auto(device: torch.device) -> bool:
+    return (TensorDescriptor is not None and not TMA_FAILED and device.type == "cuda"
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-def _tma_desc(t: torch.Tensor, dims: list[int]):
+def tma_desc(t: torch.Tensor, dims: list[int]):
     """Host TMA descriptor over ``t`` with its dimensions in the order ``dims`` (the last must have
     unit stride), or None where TMA cannot address it (16-byte aligned base and strides needed)."""
     shape, strides = [t.shape[d] for d in dims], [t.stride(d) for d in dims]
@@ -246,22 +250,13 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *,
     descriptors where the layout allows; None (default) = on Hopper or newer, falling back to
     pointer loads for good if compilation fails; True = wherever the layout allows (also under
     the interpreter, for tests), errors propagate; False = never."""
-    from .grouped_gemm import check_fused_args, check_grouped_mm_args
-
-    G = check_grouped_mm_args(mat_a, mat_b, offs, a_index=a_index, b_index=b_index)
+    G = check_call(mat_a, mat_b, offs, a_index, b_index, out_index, out, accumulate)
     dtype, device = mat_a.dtype, mat_a.device
     if dtype not in DTYPES:
         raise ValueError(f"the triton grouped_mm supports {[str(d) for d in DTYPES]}, got {dtype}; use backend='loop'")
     if not supported(device) or mat_b.device != device or offs.device != device:
         raise ValueError(f"the triton grouped_mm runs on CUDA (or CPU under TRITON_INTERPRET=1 set before import); "
                          f"got mat_a on {device}, mat_b on {mat_b.device}, offs on {offs.device}")
-    if accumulate and out is None:
-        raise ValueError("accumulate=True needs out=")
-    if b_index is not None and mat_b.dim() == 3:
-        raise ValueError("b_index applies to the contraction split (2D x 2D) only")
-    if out_index is not None and mat_b.dim() == 2:
-        raise ValueError("out_index applies to the row split (2D x 3D) only")
-    check_fused_args(mat_a, mat_b, offs, a_index, b_index, out_index, out)
     # the kernels read offsets and indices at base + i: make strided views (e.g. idx[:, 0]) dense
     offs = offs.contiguous()
     a_index, b_index, out_index = (None if t is None else t.contiguous() for t in (a_index, b_index, out_index))
@@ -279,10 +274,10 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *,
         grid = lambda meta: (min(nprog, (triton.cdiv(M, meta["BLOCK_M"]) + G) * triton.cdiv(N, meta["BLOCK_N"])),)
 
         def launch(use_tma: bool):
-            a_desc = _tma_desc(mat_a, [0, 1]) if use_tma and a_index is None else None
+            a_desc = tma_desc(mat_a, [0, 1]) if use_tma and a_index is None else None
             b_kmajor = mat_b.stride(2) != 1
-            b_desc = _tma_desc(mat_b, [0, 2, 1] if b_kmajor else [0, 1, 2]) if use_tma else None
-            _row_split_kernel[grid](
+            b_desc = tma_desc(mat_b, [0, 2, 1] if b_kmajor else [0, 1, 2]) if use_tma else None
+            row_split_kernel[grid](
                 mat_a, mat_b, out, offs, a_index if a_index is not None else dummy,
                 out_index if out_index is not None else dummy, a_desc, b_desc, M, N, K, G,
                 *mat_a.stride(), *mat_b.stride(), *out.stride(),
@@ -290,12 +285,12 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *,
                 A_TMA=a_desc is not None, B_TMA=b_desc is not None, B_KMAJOR=b_kmajor,
                 G_POW2=max(16, triton.next_power_of_2(G)), **flags)
 
-        if tma is None and _tma_auto(device):
+        if tma is None and tma_auto(device):
             try:
                 launch(True)
             except Exception as e:  # noqa: BLE001 - any compile failure: fall back to pointer loads
-                _TMA_FAILED.append(f"{type(e).__name__}: {e}")
-                warnings.warn(f"TMA descriptors failed in the Triton grouped GEMM ({_TMA_FAILED[0][:300]}); "
+                TMA_FAILED.append(f"{type(e).__name__}: {e}")
+                warnings.warn(f"TMA descriptors failed in the Triton grouped GEMM ({TMA_FAILED[0][:300]}); "
                               "using pointer loads from now on")
                 launch(False)
         else:
@@ -311,7 +306,7 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *,
     grid = lambda meta: (G * triton.cdiv(P, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
     sizes = torch.diff(offs, prepend=offs.new_zeros(1))
     order = torch.argsort(sizes, descending=True, stable=True).to(torch.int32)  # on the device: no sync
-    _contraction_split_kernel[grid](
+    contraction_split_kernel[grid](
         mat_a, mat_b, out, offs, order, a_index if a_index is not None else dummy,
         b_index if b_index is not None else dummy, M, P, N, G,
         *mat_a.stride(), *mat_b.stride(), *out.stride(),

@@ -1,36 +1,15 @@
-"""The selective experts function against an independent per-pair loop (float64)."""
-import math
-
+"""The selective experts function against an independent per-pair loop (float64): forward, gradients
+of every input in every mode, selection by quota and score, non-finite gradients, empty batches,
+the fused-gather path, mixed dtypes, float64 gradchecks, and its input validation."""
 import pytest
 import torch
 
-from lrmoe import BackwardPolicy, BackwardRecord, lrmoe_experts
+from lrmoe import BackwardPolicy, lrmoe_experts
 from lrmoe.quota import retained_total
-from oracle import expected_keep, make_case, moe_loop
+from oracle import assert_close_all, expected_keep, make_case, run_loop, run_lrmoe
+
 
 f64 = torch.float64
-
-
-def run_lrmoe(case, policy):
-    x, idx, w, gu, dn, dy = case
-    leaves = [t.clone().requires_grad_() for t in (x, w, gu, dn)]
-    rec = BackwardRecord()
-    y = lrmoe_experts(leaves[0], idx, leaves[1], leaves[2], leaves[3], policy, rec)
-    y.backward(dy)
-    return y.detach(), [t.grad for t in leaves], rec
-
-
-def run_loop(case, kept=None):
-    x, idx, w, gu, dn, dy = case
-    leaves = [t.clone().requires_grad_() for t in (x, w, gu, dn)]
-    y, h2 = moe_loop(leaves[0], idx, leaves[1], leaves[2], leaves[3], kept)
-    y.backward(dy)
-    return y.detach(), [t.grad for t in leaves], h2
-
-
-def assert_close_all(a, b, what):
-    for name, u, v in zip(("x", "weights", "gate_up_proj", "down_proj"), a, b):
-        torch.testing.assert_close(u, v, rtol=1e-9, atol=1e-10, msg=lambda m: f"{what}: grad of {name}: {m}")
 
 
 SHAPES = [  # T, H, I, E, K
@@ -105,42 +84,11 @@ def test_compact_and_mask_give_the_same_gradients(case_kind):
         assert g_c[2][1].abs().sum() == 0 and g_c[3][4].abs().sum() == 0
 
 
-def test_hot_expert_is_trimmed_first_by_waterfill():
-    case = make_case(40, 6, 4, 5, 1, hot=3)
-    _, _, rec = run_lrmoe(case, BackwardPolicy(0.3, quota="waterfill"))
-    assert int(rec.demand.argmax()) == 3
-    cap = int(rec.quota.max())
-    assert rec.quota[3] in (cap, cap - 1) and rec.quota[3] < rec.demand[3]
-    cold = rec.demand < cap - 1
-    assert torch.equal(rec.quota[cold], rec.demand[cold])  # cold experts keep everything
-
-
 def test_gradcheck_full_mode():
     x, idx, w, gu, dn, _ = make_case(5, 4, 3, 3, 2)
     inputs = tuple(t.clone().requires_grad_() for t in (x, w, gu, dn))
     assert torch.autograd.gradcheck(
         lambda a, b, c, d: lrmoe_experts(a, idx, b, c, d, BackwardPolicy(0.0, mode="full")), inputs)
-
-
-def test_random_scorer_is_seeded():
-    case = make_case(30, 6, 4, 4, 2)
-    kept = [run_lrmoe(case, BackwardPolicy(0.5, scorer="random", seed=s))[2].kept_mask for s in (1, 1, 2)]
-    assert torch.equal(kept[0], kept[1])
-    assert not torch.equal(kept[0], kept[2])
-
-
-def test_lrm_uses_all_three_factors():
-    """Same ||g_t||, different alpha or phi: only LRM tells the pairs apart."""
-    x, idx, w, gu, dn, dy = make_case(8, 6, 4, 1, 1)
-    dy = dy / dy.norm(dim=-1, keepdim=True)  # every token has the same gradient norm
-    case = (x, idx, w, gu, dn, dy)
-    _, _, rec = run_lrmoe(case, BackwardPolicy(0.5, scorer="lrm"))
-    h2 = run_loop(case)[2]
-    r = (w**2 * h2).squeeze(1)
-    assert torch.equal(rec.kept_mask.squeeze(1), r >= r.sort(descending=True).values[3])
-    _, _, rec_g = run_lrmoe(case, BackwardPolicy(0.5, scorer="grad_norm"))
-    # All grad-norm scores tie (up to rounding), so its choice ignores alpha and phi.
-    assert torch.allclose(rec_g.scores, rec_g.scores[0, 0].expand_as(rec_g.scores), rtol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["compact", "mask", "full"])
@@ -229,7 +177,6 @@ def test_nonfinite_count_sees_inf_of_either_sign(mode):
     assert rec.nonfinite == 4  # both pairs of tokens 2 and 5
 
 
-
 @pytest.mark.parametrize("I", [3, 6])
 @pytest.mark.parametrize("mode", ["full", "compact", "mask"])
 def test_fp32_odd_intermediate_size(I, mode):
@@ -271,25 +218,67 @@ def test_random_scorer_keeps_and_counts_nonfinite_gradients():
         assert all(torch.isnan(grads[2][e]).any() for e in idx[4].tolist())
 
 
-def test_custom_scorer_registration():
-    from lrmoe.scorers import register_scorer, scorers
-
-    @register_scorer("test_last_slot_first")
-    def last_slot_first(inp):  # prefers each token's k-th choice for larger k
-        return torch.arange(inp.alpha_TK.shape[1], dtype=torch.float32).expand(inp.alpha_TK.shape).contiguous()
-
-    assert "test_last_slot_first" in scorers()
-    x, idx, w, gu, dn, dy = make_case(16, 5, 4, 2, 2)
-    idx = torch.zeros_like(idx)  # both slots of every token on expert 0: 32 pairs, quota 16
-    _, _, rec = run_lrmoe((x, idx, w, gu, dn, dy), BackwardPolicy(0.5, scorer="test_last_slot_first"))
-    assert rec.kept_mask[:, 1].all() and not rec.kept_mask[:, 0].any()
+@pytest.mark.parametrize("scorer", ["grad_norm", "abs_grad", "random"])
+def test_nan_routing_weight_is_kept_and_counted(scorer):
+    """A NaN routing weight makes the pair's gradient term NaN: it ranks first (kept, counted) with
+    every scorer, instead of being dropped silently by scorers that do not look at alpha."""
+    x, idx, w, gu, dn, dy = make_case(8, 6, 4, 2, 1, seed=0)
+    w[1, 0] = float("nan")
+    dy[1] *= 1e-3  # the smallest gradient: dropped first by a gradient scorer
+    _, grads, rec = run_lrmoe((x, idx, w, gu, dn, dy), BackwardPolicy(0.5, scorer=scorer, seed=0))
+    assert bool(rec.kept_mask[1, 0]) and rec.nonfinite == 1
+    assert not torch.isfinite(grads[3]).all()  # the NaN reaches the down projection's gradient
 
 
-def test_policy_is_rechecked_on_use():
+def test_overflowing_activation_gives_same_gradients_in_mask_and_compact():
+    """An activation that overflows (||phi||^2 = inf) is kept: compact and mask agree, NaN pattern
+    included (mask used to multiply the dropped row's 0 by inf)."""
+    x, idx, w, gu, dn, dy = make_case(8, 6, 4, 2, 1, seed=0)
+    x[0] = 1e300
+    dy[0] *= 1e-3
+    res = {m: run_lrmoe((x, idx, w, gu, dn, dy), BackwardPolicy(0.5, scorer="grad_norm", mode=m))
+           for m in ("compact", "mask")}
+    for m, (_, _, rec) in res.items():
+        assert bool(rec.kept_mask[0, 0]) and rec.nonfinite >= 1, m
+    for a, b in zip(res["compact"][1], res["mask"][1]):
+        torch.testing.assert_close(a, b, equal_nan=True)
+
+
+def test_double_backward_fails_clearly():
+    x, idx, w, gu, dn, dy = make_case(6, 8, 4, 4, 2)
+    x.requires_grad_()
+    y = lrmoe_experts(x, idx, w, gu, dn, BackwardPolicy(0.0, mode="full"))
+    (gx,) = torch.autograd.grad((y * dy).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad|double backward"):
+        gx.sum().backward()
+
+
+# --- inputs that gave silently wrong results are refused --------------------------------------------
+
+def test_integer_hidden_states_are_refused():
     x, idx, w, gu, dn, _ = make_case(4, 6, 4, 3, 2)
-    pol = BackwardPolicy(0.2)
-    pol.mode = "drop"  # mutated after creation
-    with pytest.raises(ValueError, match="unknown backward mode 'drop'"):
-        lrmoe_experts(x, idx, w, gu, dn, pol)
-    with pytest.raises(ValueError, match=r"drop_ratio must be a number in \[0, 1\), got -0.1"):
-        BackwardPolicy(-0.1)
+    with pytest.raises(ValueError, match="hidden_TH must be a floating-point tensor, got torch.int64"):
+        lrmoe_experts(torch.arange(24).view(4, 6), idx, w, gu, dn)
+
+
+def test_hidden_states_more_precise_than_the_weights_are_refused():
+    """float64 states into float32 weights were computed in float32 and returned as float64."""
+    x, idx, w, gu, dn, _ = make_case(4, 6, 4, 3, 2)
+    with pytest.raises(ValueError, match=r"hidden_TH is torch.float64 but the experts compute in torch.float32.*"
+                                         r"promote_types"):
+        lrmoe_experts(x, idx, w, gu.float(), dn.float())
+    with pytest.raises(ValueError, match="hidden_TH is torch.float32 but the experts compute in torch.bfloat16"):
+        lrmoe_experts(x.float(), idx, w, gu.bfloat16(), dn.bfloat16())
+    y = lrmoe_experts(x.bfloat16(), idx, w.float(), gu.float(), dn.float())  # bf16 into fp32: exact, allowed
+    assert y.dtype == torch.bfloat16
+
+
+def test_inputs_on_another_device_are_refused():
+    x, idx, w, gu, dn, _ = make_case(4, 6, 4, 3, 2)
+    meta = torch.device("meta")
+    with pytest.raises(ValueError, match="hidden_TH is on meta but the expert weights are on cpu"):
+        lrmoe_experts(x.to(meta), idx, w, gu, dn)
+    with pytest.raises(ValueError, match="down_proj is on meta but gate_up_proj is on cpu"):
+        lrmoe_experts(x, idx, w, gu, dn.to(meta))
+    with pytest.raises(ValueError, match="top_k_weights is on meta but gate_up_proj is on cpu"):
+        lrmoe_experts(x, idx, w.to(meta), gu, dn)

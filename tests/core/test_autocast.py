@@ -90,6 +90,16 @@ def test_float64_is_not_cast_under_autocast():
     assert all(torch.equal(a, b) for a, b in zip(g_auto, g_ref))
 
 
+def test_float64_states_into_float32_weights_are_refused_under_autocast(rng_seed):
+    """Autocast casts the float32 weights to bf16 and leaves float64 states alone: refused, naming
+    the autocast dtype, rather than computed in bf16 and returned as float64."""
+    x, idx, w, w_gu, w_d, _ = _case(seed=rng_seed)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(ValueError, match=r"hidden_TH is torch.float64 but the experts compute in "
+                                             r"torch.bfloat16 \(the autocast dtype\)"):
+            lrmoe_experts(x.double(), idx, w, w_gu, w_d, BackwardPolicy())
+
+
 def test_autocast_dtype_outside_and_inside():
     assert autocast_dtype(torch.device("cpu")) is None
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -16,7 +16,8 @@ This module compiles exactly what the kit would launch:
 
 The kernel module must have been imported with the interpreter off (``TRITON_INTERPRET`` unset):
 under the interpreter the kernels are defined with the interpreter's single small config.
-Used by ``scripts/check_triton_compile.py`` and ``tests/test_triton_compile.py``.
+Compile tooling, not a tensor op: it lives beside ``scripts/check_triton_compile.py``, which
+imports it (with ``scripts/`` on ``sys.path``); ``tests/kernels/test_triton_compile.py`` runs that script.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from typing import Callable
 # programming guide, "Technical specifications per compute capability"); unknown ones: not judged.
 SHARED_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 103: 232448,
                 120: 101376}
-KERNELS = ("_row_split_kernel", "_contraction_split_kernel")
+KERNELS = ("row_split_kernel", "contraction_split_kernel")
 
 
 @dataclasses.dataclass
@@ -63,7 +64,7 @@ class Compiled:
 
 
 def _module():
-    from . import triton_grouped_gemm as tgg
+    from lrmoe.kernels import triton_grouped_gemm as tgg
 
     if tgg.INTERPRET:
         raise RuntimeError("lrmoe.kernels.triton_grouped_gemm was imported with TRITON_INTERPRET=1; the AOT check "
@@ -95,12 +96,12 @@ def capture(tma: bool):
     or use pointer loads only (the fallback, and pre-Hopper GPUs). Yields the list of launches."""
     tgg = _module()
     launches: list[Launch] = []
-    saved = {name: getattr(tgg, name) for name in (*KERNELS, "supported", "_tma_auto")}
+    saved = {name: getattr(tgg, name) for name in (*KERNELS, "supported", "tma_auto")}
     try:
         for name in KERNELS:
             setattr(tgg, name, _Recorder(name, launches))
         tgg.supported = lambda device: True
-        tgg._tma_auto = lambda device: tma
+        tgg.tma_auto = lambda device: tma
         yield launches
     finally:
         for name, value in saved.items():
