@@ -1,6 +1,6 @@
 """The selective experts function: full forward over every routed pair, pruned compacted backward.
 
-Forward (every pair is computed; see design.md):
+Forward (every pair is computed; see docs/method.md):
   1. stable sort of pairs by expert -> permutation, demand d_e, offsets;
   2. retention quotas q_e fixed from the demand, before the expert GEMMs;
   3. X = x[token], GU = X W_gu^T, h = silu(gate) * up, O = h W_d^T (grouped GEMMs);

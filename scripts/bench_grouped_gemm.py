@@ -40,7 +40,7 @@ MODELS = {"qwen3-30b-a3b": (2048, 768), "glm-4.5-air": (4096, 1408)}  # H, I
 ROWS, EXPERTS = 32768 * 8, 16
 SMOKE = {"smoke": (64, 32)}
 SMOKE_ROWS, SMOKE_EXPERTS = 192, 4
-PEAK_REF_TFLOPS = 790.0  # dense bf16 matmul measured on the H200 (shared/env-notes.md)
+PEAK_REF_TFLOPS = 790.0  # dense bf16 matmul TFLOP/s measured on an H200 (the percentage-of-peak reference)
 
 
 # ---------------------------------------------------------------- group sizes

@@ -220,7 +220,7 @@ def jit_run_specialisation(launch: Launch, cfg, capability: int = 90):
     ``sm_<capability>``: (options, signature, constexprs, attrs). Obtained by running it in warmup
     mode, as the autotuner would after applying ``cfg`` (its pre-hook included), with a stand-in
     driver for the target and the compile step intercepted (nothing is compiled). Checks that
-    :func:`compile_launch` binds exactly as a real launch does (``tests/test_triton_compile.py``)."""
+    :func:`compile_launch` binds exactly as a real launch does (``tests/kernels/test_triton_compile.py``)."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
 

@@ -10,23 +10,8 @@ import pytest
 import torch
 
 from lrmoe import BackwardPolicy
-from lrmoe.quota import compute_quota, register_quota_policy, retained_total, unregister_quota_policy, waterfill_quota
+from lrmoe.quota import compute_quota, retained_total, waterfill_quota
 from oracle import make_case, run_lrmoe
-
-
-@pytest.fixture
-def temporary_quota_policy():
-    """``temporary_quota_policy(name, fn)`` registers a quota policy for one test and removes it afterwards."""
-    names = []
-
-    def register(name, fn):
-        register_quota_policy(name, fn)
-        names.append(name)
-        return fn
-
-    yield register
-    for name in names:
-        unregister_quota_policy(name)
 
 
 def exact_retained(P, rho_text):
@@ -58,8 +43,8 @@ def test_unhashable_callable_quota_policy(temporary_quota_policy):
         def __call__(self, demand_E, n_keep):
             return waterfill_quota(demand_E, n_keep)
 
-    temporary_quota_policy("review_unhashable", Waterfill())
-    q = compute_quota(torch.tensor([4, 4, 2]), 0.5, "review_unhashable")
+    temporary_quota_policy("test_unhashable", Waterfill())
+    q = compute_quota(torch.tensor([4, 4, 2]), 0.5, "test_unhashable")
     assert q.tolist() == compute_quota(torch.tensor([4, 4, 2]), 0.5, "waterfill").tolist()
 
 
@@ -78,10 +63,10 @@ def test_hot_expert_is_trimmed_first_by_waterfill():
 
 
 def test_custom_quota_policy_may_return_numpy_but_not_floats(temporary_quota_policy):
-    temporary_quota_policy("review_numpy", lambda d, n: np.asarray(
+    temporary_quota_policy("test_numpy", lambda d, n: np.asarray(
         compute_quota(d.numpy(), 0.5, "proportional")))
-    torch.testing.assert_close(compute_quota(torch.tensor([5, 3, 2]), 0.5, "review_numpy"),
+    torch.testing.assert_close(compute_quota(torch.tensor([5, 3, 2]), 0.5, "test_numpy"),
                                compute_quota(torch.tensor([5, 3, 2]), 0.5, "proportional"))
-    temporary_quota_policy("review_float", lambda d, n: d.double() * 0.5)
+    temporary_quota_policy("test_float", lambda d, n: d.double() * 0.5)
     with pytest.raises(ValueError, match="must return integer quotas"):
-        compute_quota(torch.tensor([5, 3, 2]), 0.5, "review_float")
+        compute_quota(torch.tensor([5, 3, 2]), 0.5, "test_float")

@@ -9,21 +9,6 @@ from lrmoe.scorers import register_scorer, scorers, unregister_scorer
 from oracle import make_case, run_loop, run_lrmoe
 
 
-@pytest.fixture
-def temporary_scorer():
-    """``temporary_scorer(name, fn)`` registers a scorer for one test and removes it afterwards."""
-    names = []
-
-    def register(name, fn):
-        register_scorer(name, fn)
-        names.append(name)
-        return fn
-
-    yield register
-    for name in names:
-        unregister_scorer(name)
-
-
 def test_random_scorer_is_seeded():
     case = make_case(30, 6, 4, 4, 2)
     kept = [run_lrmoe(case, BackwardPolicy(0.5, scorer="random", seed=s))[2].kept_mask for s in (1, 1, 2)]
@@ -61,19 +46,19 @@ def test_custom_scorer_registration(temporary_scorer):
 def test_custom_scorer_with_transposed_output_fails_clearly(temporary_scorer):
     """A scorer must return [T, K]; a [K, T] result (T != K) is silently reshaped into [T, K] and
     selects the wrong pairs instead of failing with a clear ValueError."""
-    temporary_scorer("review_transposed", lambda inp: inp.alpha_TK.t().float().contiguous())
+    temporary_scorer("test_transposed", lambda inp: inp.alpha_TK.t().float().contiguous())
     case = make_case(6, 5, 4, 3, 2)
     with pytest.raises(ValueError, match=r"\[6, 2\]"):
-        run_lrmoe(case, BackwardPolicy(0.5, scorer="review_transposed"))
+        run_lrmoe(case, BackwardPolicy(0.5, scorer="test_transposed"))
 
 
 def test_custom_scorer_with_broadcastable_output_fails_with_value_error(temporary_scorer):
     """A [T, 1] result (the natural mistake: grad_norm without expand) dies with a bare
     RuntimeError from reshape deep inside backward, not a ValueError naming the scorer."""
-    temporary_scorer("review_column", lambda inp: inp.grad_norm2_T[:, None])
+    temporary_scorer("test_column", lambda inp: inp.grad_norm2_T[:, None])
     case = make_case(6, 5, 4, 3, 2)
-    with pytest.raises(ValueError, match="review_column"):
-        run_lrmoe(case, BackwardPolicy(0.5, scorer="review_column"))
+    with pytest.raises(ValueError, match="test_column"):
+        run_lrmoe(case, BackwardPolicy(0.5, scorer="test_column"))
 
 
 def test_builtin_scorers_are_listed_explicitly():
