@@ -160,3 +160,33 @@ def test_missing_shared_data_skips(tmp_path, monkeypatch, capsys):
     assert plan("smoke", tmp_path)["skip"]
     assert reproduce("smoke", tmp_path / "out", progress=False) == 0
     assert "skipped" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_a_run_folder_with_an_unreadable_summary_is_refused(smoke, tmp_path, capsys):
+    """A summary.json that cannot be decoded used to count as "no run yet": the run was trained
+    again into that folder. Whether it holds this preset's run is unknown, so reproduce stops with
+    status 2 and names the folder; nothing in it is touched."""
+    copy = tmp_path / "copy"
+    shutil.copytree(smoke, copy, ignore=shutil.ignore_patterns("checkpoint.pt", "tables", "figures"))
+    run = copy / "qwen3-C10-lrm-s0"
+    (run / "summary.json").write_text('{"status": "done", "config": {"lr": 0.0')
+    before = (run / "metrics.jsonl").read_bytes()
+    assert reproduce("smoke", copy, figures=False, progress=False) == 2
+    err = capsys.readouterr().err
+    assert "qwen3-C10-lrm-s0: " in err and "summary.json" in err and "cannot be read" in err
+    assert (run / "metrics.jsonl").read_bytes() == before
+    assert (run / "summary.json").read_text() == '{"status": "done", "config": {"lr": 0.0'
+
+
+def test_a_corrupt_reproduce_json_is_kept_aside_not_reset(smoke, tmp_path, capsys):
+    """A reproduce.json that cannot be decoded used to be replaced silently, its wall-time total
+    reset to this call's: now it is moved to reproduce.json.corrupt and the call says so."""
+    copy = tmp_path / "copy"
+    shutil.copytree(smoke, copy, ignore=shutil.ignore_patterns("checkpoint.pt", "tables", "figures"))
+    (copy / "reproduce.json").write_text('{"wall_s_total": 1234.5, "ru')
+    assert reproduce("smoke", copy, figures=False, progress=False) == 0
+    err = capsys.readouterr().err
+    assert "reproduce.json" in err and "reproduce.json.corrupt" in err
+    assert (copy / "reproduce.json.corrupt").read_text() == '{"wall_s_total": 1234.5, "ru'
+    rec = json.loads((copy / "reproduce.json").read_text())
+    assert rec["ran_now"] == 0 and "reproduce.json.corrupt" in rec["wall_s_total_note"]
