@@ -49,6 +49,8 @@ import torch
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
+from .files import atomic_write, write_text
+
 IGNORE_INDEX = -100
 EOS_TOKEN = "<|endoftext|>"
 DEFAULT_HUB_ID = "tatsu-lab/alpaca"
@@ -245,10 +247,7 @@ def train_bpe_tokenizer(texts, vocab_size: int, cache_dir: str | os.PathLike | N
         tok = Tokenizer.from_file(str(path))
     else:
         tok = _train_bpe(texts, vocab_size, progress)
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tok.save(str(tmp))
-        os.replace(tmp, path)  # atomic: a concurrent reader sees the whole file or none
+        write_text(path, tok.to_str(pretty=True))  # atomic: a concurrent reader sees the whole file or none
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
     tokenizer.cache_file = str(path)
     return tokenizer
@@ -535,10 +534,7 @@ def prepare(
     stats["config"] = config
     stats["source_fingerprint"], stats["format"] = fingerprint, PACKED_FORMAT
     stats["tokenizer_file"] = getattr(train.tokenizer, "cache_file", None)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".tmp{os.getpid()}")
-    torch.save({"train": train.tensors, "heldout": heldout.tensors, "stats": stats}, tmp)
-    os.replace(tmp, out)
+    atomic_write(out, lambda f: torch.save({"train": train.tensors, "heldout": heldout.tensors, "stats": stats}, f))
     return out
 
 

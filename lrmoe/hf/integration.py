@@ -24,10 +24,13 @@ from ..experts import lrmoe_experts
 from ..policy import BackwardPolicy, BackwardRecord
 
 IMPLEMENTATION = "lrmoe"
-_POLICY_ATTR, _RECORD_ATTR = "lrmoe_policy", "lrmoe_last_backward"
+# Attributes of a transformers experts module: its BackwardPolicy, and the record of its latest backward.
+POLICY_ATTR, RECORD_ATTR = "lrmoe_policy", "lrmoe_last_backward"
+_POLICY_ATTR, _RECORD_ATTR = POLICY_ATTR, RECORD_ATTR  # transitional: lrmoe.hf.parallel's old names
 
 
-def _check_supported(experts: nn.Module) -> None:
+def check_supported(experts: nn.Module) -> None:
+    """ValueError unless ``experts`` is a fused, gated SwiGLU experts module without biases or norms."""
     act = getattr(experts, "act_fn", None)
     problems = []
     if getattr(experts, "has_bias", False):
@@ -45,15 +48,18 @@ def _check_supported(experts: nn.Module) -> None:
                          f"in {type(experts).__name__}")
 
 
+_check_supported = check_supported  # transitional: lrmoe.hf.parallel's old name
+
+
 def lrmoe_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                           top_k_weights: torch.Tensor) -> torch.Tensor:
     """``ExpertsInterface`` entry: ``fn(experts_module, hidden [T, H], top_k_index, top_k_weights) -> [T, H]``."""
-    _check_supported(self)
-    policy = getattr(self, _POLICY_ATTR, None) or BackwardPolicy()
+    check_supported(self)
+    policy = getattr(self, POLICY_ATTR, None) or BackwardPolicy()
     record = None
     if torch.is_grad_enabled():
         ref = weakref.ref(self)
-        record = BackwardRecord(on_fill=lambda r: (m := ref()) is not None and setattr(m, _RECORD_ATTR, r))
+        record = BackwardRecord(on_fill=lambda r: (m := ref()) is not None and setattr(m, RECORD_ATTR, r))
     y = lrmoe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, policy, record)
     return y.to(hidden_states.dtype)
 
@@ -87,16 +93,16 @@ def set_policy(model: nn.Module, policy: BackwardPolicy | list[BackwardPolicy]) 
     for m, p in zip(mods, policies):
         if not isinstance(p, BackwardPolicy):
             raise ValueError(f"policies must be BackwardPolicy instances, got {type(p).__name__}")
-        setattr(m, _POLICY_ATTR, p)
+        setattr(m, POLICY_ATTR, p)
 
 
 def get_policies(model: nn.Module) -> list[BackwardPolicy]:
-    return [getattr(m, _POLICY_ATTR, None) or BackwardPolicy() for m in experts_modules(model)]
+    return [getattr(m, POLICY_ATTR, None) or BackwardPolicy() for m in experts_modules(model)]
 
 
 def backward_records(model: nn.Module) -> list[BackwardRecord | None]:
     """The BackwardRecord of each MoE layer from the latest backward (None for a layer not run yet)."""
-    return [getattr(m, _RECORD_ATTR, None) for m in experts_modules(model)]
+    return [getattr(m, RECORD_ATTR, None) for m in experts_modules(model)]
 
 
 # --------------------------------------------------------------------------- model presets

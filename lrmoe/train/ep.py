@@ -28,10 +28,11 @@ Semantics (docs/expert_parallel.md, "Training with torchrun"):
   share of every held-out micro-batch.
 * Checkpoints: ``checkpoint.pt`` (rank 0) holds the full, unsharded weights (gathered to rank 0 alone, layer by
   layer to the CPU), the scheduler, the data position, rank 0's RNG and the world layout;
-  ``checkpoint.rank{r}.pt`` (every rank) holds that rank's optimizer state (its expert shards),
-  RNG states and the placement planners' state. Rank files are written first, then the main file
-  (the commit point); the previous rank file is kept as ``checkpoint.rank{r}.prev.pt`` until the
-  main file is written, so a run killed at any moment resumes from a consistent set.
+  ``checkpoint.step{N}.rank{r}.pt`` (every rank) holds that rank's optimizer state (its expert
+  shards), RNG states and the placement planners' state at step N. Rank files are written first,
+  then the main file, which names the rank files of its step (the commit point); only then are
+  the rank files of other steps deleted, so a run killed at any moment, however often, resumes
+  from a consistent set (:mod:`lrmoe.train.checkpoint`).
 """
 from __future__ import annotations
 
@@ -47,6 +48,9 @@ import torch.distributed as dist
 from ..hf import parallel as ep_hf
 from ..parallel.launch import host_barrier
 from ..parallel.runtime import ExpertParallel
+from . import checkpoint
+from .config import resolve_device
+from .runner import load_data
 
 # Keys of BackwardRecord.comm_bytes (lrmoe.parallel.runtime), in the order they are logged.
 COMM_KEYS = ("fwd_weights", "fwd_dispatch", "fwd_combine", "fwd_phi", "bwd_grad_rows", "bwd_grad_index", "bwd_dx",
@@ -100,7 +104,6 @@ class DistributedRunner:
     distributed = True
 
     def __init__(self, cfg):
-        from .loop import resolve_device
         from ..parallel.launch import init_distributed
 
         check_launch(cfg)
@@ -129,8 +132,6 @@ class DistributedRunner:
     # ------------------------------------------------------------------ data and model
     def load_data(self, cfg):
         """The prepared data; one rank per node tokenises/packs it (and trains the BPE) first."""
-        from .loop import load_data
-
         first = self.env.local_rank == 0
         if first:
             out = load_data(cfg)
@@ -235,9 +236,6 @@ class DistributedRunner:
         return float(t[0]), int(t[1])
 
     # ------------------------------------------------------------------ checkpoints
-    def rank_file(self, ckpt_path: Path, prev: bool = False) -> Path:
-        return ckpt_path.with_name(f"{ckpt_path.stem}.rank{self.rank}{'.prev' if prev else ''}{ckpt_path.suffix}")
-
     def full_state_dict_cpu(self, model) -> dict | None:
         """The unsharded state dict on rank 0 (CPU tensors), None elsewhere. A collective of rank
         0's EP group (the other EP groups hold the same weights and take no part): each layer's
@@ -245,10 +243,11 @@ class DistributedRunner:
         nothing) and go to the CPU at once, so no GPU ever holds more than one layer's full
         expert weights, and only rank 0's does."""
         sd = model.state_dict()
+        ep_of = {id(m): ep for m, ep in zip(ep_hf.ep_modules(model), self.eps)}  # both in layer order
         owners = {}
         for mname, m in model.named_modules():
-            ep = getattr(m, ep_hf._EP_ATTR, None)
-            if isinstance(ep, ExpertParallel):
+            ep = ep_of.get(id(m))
+            if ep is not None:
                 for pname in ("gate_up_proj", "down_proj"):
                     owners[f"{mname}.{pname}" if mname else pname] = ep
         out = {} if self.is_main else None
@@ -269,24 +268,19 @@ class DistributedRunner:
         return out
 
     def save_checkpoint(self, path: Path, common: dict, model, opt, rng_state: dict) -> None:
-        from .loop import atomic_torch_save
-
+        """One checkpoint set (every rank calls it; the full weights are gathered to rank 0 first)."""
         full = self.full_state_dict_cpu(model)
-        mine, prev = self.rank_file(path), self.rank_file(path, prev=True)
-        if mine.exists():
-            os.replace(mine, prev)
-        atomic_torch_save({"step": common["step"], "rank": self.rank, "world_size": self.world,
-                            "optimizer": opt.state_dict(), "rng": rng_state,
-                            "placement_state": [ep.state for ep in self.eps]}, mine)
-        host_barrier()  # writing hundreds of GB may outlast the collective timeout
+        main = None
         if self.is_main:
-            atomic_torch_save({**common, "model": full, "world_size": self.world, "ep_size": self.env.ep_size,
-                                "rank_files": f"{path.stem}.rank{{r}}{path.suffix}"}, path)
-        host_barrier()
-        prev.unlink(missing_ok=True)
+            def main():
+                return {**common, "model": full, "world_size": self.world, "ep_size": self.env.ep_size}
+        # host barriers: writing hundreds of GB may outlast the collective timeout
+        checkpoint.save_sharded(path, common["step"], self.rank,
+                                {"world_size": self.world, "optimizer": opt.state_dict(), "rng": rng_state,
+                                 "placement_state": [ep.state for ep in self.eps]}, main, host_barrier)
 
     def load_checkpoint(self, path: Path) -> dict:
-        ck = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        ck = checkpoint.load(path, mmap=True)
         layout = (ck.get("world_size", 1), ck.get("ep_size", 1))
         if layout != (self.world, self.env.ep_size):
             raise ValueError(f"{path} was written by {layout[0]} process(es) with ep={layout[1]}; this run has "
@@ -294,22 +288,12 @@ class DistributedRunner:
         return ck
 
     def load_state(self, path: Path, ck: dict, model, opt, set_rng) -> None:
-        """Weights from the main checkpoint, optimizer/RNG/planner state from this rank's file."""
+        """Weights from the main checkpoint, optimizer/RNG/planner state from this rank's file of its set."""
         if self.eps:
             ep_hf.load_full_state_dict(model, ck["model"])
         else:
             model.load_state_dict(ck["model"])
-        found = []
-        for f in (self.rank_file(path), self.rank_file(path, prev=True)):
-            if f.exists():
-                rs = torch.load(f, map_location="cpu", weights_only=False)
-                found.append(f"{f.name}: step {rs['step']}")
-                if rs["step"] == ck["step"]:
-                    break
-        else:
-            raise ValueError(f"{path} is at step {ck['step']} but no per-rank file of rank {self.rank} matches it "
-                             f"({', '.join(found) or 'none found'}); copy the checkpoint together with its "
-                             f"checkpoint.rank*.pt files")
+        rs = checkpoint.load_rank_state(path, ck, self.rank)
         opt.load_state_dict(rs["optimizer"])
         set_rng(rs["rng"])
         for ep, st in zip(self.eps, rs.get("placement_state", [])):

@@ -17,13 +17,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from lrmoe.data import shared_data_dir
 from lrmoe.quota import retained_total
 from lrmoe.train import TrainConfig, read_metrics, train
 
 TINY = shared_data_dir() / "alpaca" / "alpaca_tiny.json"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LAUNCH_DEADLINE_S = 180
 # global batch 8 rows (2 micro-batches of 4; 2 rows per rank per micro-batch), 64 tokens per row
 RUN = dict(model="qwen3-moe-tiny", tokenizer="bpe:300", seq_len=64, micro_batch=4, grad_accum=2, steps=6, lr=3e-3,
@@ -82,9 +83,15 @@ def runs(tmp_path_factory):
     lrm = dict(C20, **data, ep=2, placement="lrmoe")
     walls["lrmoe"] = torchrun(base / "lrmoe", lrm, env=env)
     walls["stop"] = torchrun(base / "resumed", lrm, "--stop-after", "3", env=env)
-    # a kill right after the rank files were rotated: only checkpoint.rank{r}.prev.pt match checkpoint.pt
+    # the set of step 3 in the layout of older versions of the kit (rank files not named by step,
+    # the matching one kept as checkpoint.rank{r}.prev.pt by a kill inside that layout's commit window)
+    # still resumes
+    main = torch.load(base / "resumed" / "checkpoint.pt", weights_only=False)
+    assert main["step"] == 3 and main["rank_files"] == "checkpoint.step3.rank{r}.pt"
+    main["rank_files"] = "checkpoint.rank{r}.pt"
+    torch.save(main, base / "resumed" / "checkpoint.pt")
     for r in (0, 1):
-        os.replace(base / "resumed" / f"checkpoint.rank{r}.pt", base / "resumed" / f"checkpoint.rank{r}.prev.pt")
+        os.replace(base / "resumed" / f"checkpoint.step3.rank{r}.pt", base / "resumed" / f"checkpoint.rank{r}.prev.pt")
     walls["resume"] = torchrun(base / "resumed", lrm, env=env)
     print("wall seconds:", {k: round(v, 1) for k, v in walls.items()})
     yield base
@@ -133,7 +140,9 @@ def test_ep_lrmoe_c20_metrics_summary_and_files(runs):
     assert s["distributed"]["placement"] == "lrmoe" and s["config"]["ep"] == 2
     assert s["final"]["kept_fraction_mean"] == pytest.approx(0.8, abs=0.01)
     names = sorted(p.name for p in (runs / "lrmoe").iterdir() if p.name != ".lrmoe.lock")  # the run-folder lock
-    assert names == ["checkpoint.pt", "checkpoint.rank0.pt", "checkpoint.rank1.pt", "metrics.jsonl", "summary.json"]
+    # the last set only (step 6): the sets of steps 2 and 4 were deleted once a later one was committed
+    assert names == ["checkpoint.pt", "checkpoint.step6.rank0.pt", "checkpoint.step6.rank1.pt", "metrics.jsonl",
+                     "summary.json"]
     # checkpoint.pt holds the full (unsharded) weights: 8 experts per layer
     import torch
 
@@ -152,7 +161,9 @@ def test_ep_resume_reproduces_the_uninterrupted_run(runs):
         assert [r.get(key) for r in full] == [r.get(key) for r in resumed], key
     s = json.loads((runs / "resumed" / "summary.json").read_text())
     assert s["status"] == "done" and s["resumed_from"] == [3]
-    assert not list((runs / "resumed").glob("*.prev.pt"))  # removed once the new checkpoint was written
+    # the old layout's files were removed once a new set was committed
+    assert sorted(p.name for p in (runs / "resumed").glob("checkpoint.*rank*.pt")) == [
+        "checkpoint.step6.rank0.pt", "checkpoint.step6.rank1.pt"]
 
 
 def test_launch_errors(tmp_path, monkeypatch, capsys):

@@ -30,7 +30,7 @@ def _worker(rank, G, port, out_dir):
         torchrun_env(rank, G, port)
         env = launch.init_distributed(ep=2, timeout_s=30)
         model = hf.build_model("qwen3-moe-tiny", vocab_size=61, seed=5)
-        ep_hf.parallelize_experts(model, env.ep_group, "fixed", policy=BackwardPolicy())
+        eps = ep_hf.parallelize_experts(model, env.ep_group, "fixed", policy=BackwardPolicy())
         with torch.no_grad():  # make the EP groups' shards differ, to see whose are gathered
             for name, p in model.named_parameters():
                 if ep_hf.is_expert_parallel_param(p):
@@ -49,7 +49,7 @@ def _worker(rank, G, port, out_dir):
 
         dist.gather, dist.all_gather = gather, all_gather
         try:
-            sd = DistributedRunner.full_state_dict_cpu(types.SimpleNamespace(is_main=rank == 0), model)
+            sd = DistributedRunner.full_state_dict_cpu(types.SimpleNamespace(is_main=rank == 0, eps=eps), model)
         finally:
             dist.gather, dist.all_gather = real_gather, real_all_gather
         res.update(calls=calls, sd=sd)

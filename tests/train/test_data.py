@@ -13,7 +13,7 @@ import torch
 from lrmoe import data
 from lrmoe.data import IGNORE_INDEX
 
-SHARED = Path(os.environ.get("LRMOE_SHARED_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
+SHARED = Path(os.environ.get("LRMOE_SHARED_DATA", Path(__file__).resolve().parents[2].parent / "shared" / "data"))
 TINY = SHARED / "alpaca" / "alpaca_tiny.json"
 DEMO = SHARED / "alpaca" / "alpaca_en_demo.json"
 VOCAB, MERGES = SHARED / "tiny_bpe" / "tiny_bpe_vocab.json", SHARED / "tiny_bpe" / "tiny_bpe_merges.txt"
@@ -336,3 +336,14 @@ def test_prepare_cache_follows_the_file_content(tmp_path, shared):
     fp = data.source_fingerprint(str(folder))
     (folder / "a.json").write_text("[ ]")
     assert data.source_fingerprint(str(folder)) != fp
+
+
+def test_prepare_refuses_a_named_file_built_otherwise(shared, tmp_path):
+    out = tmp_path / "x.pt"
+    data.prepare(str(TINY), "bpe:300", 64, out=out)
+    assert data.load_prepared(out)[2]["config"]["seq_len"] == 64
+    assert data.prepare(str(TINY), "bpe:300", 64, out=out) == out  # same arguments: reused
+    with pytest.raises(ValueError, match="seq_len differ"):
+        data.prepare(str(TINY), "bpe:300", 128, out=out)
+    data.prepare(str(TINY), "bpe:300", 128, out=out, overwrite=True)
+    assert data.load_prepared(out)[2]["config"]["seq_len"] == 128

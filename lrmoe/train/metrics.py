@@ -1,0 +1,90 @@
+"""The per-step metrics of a run (``metrics.jsonl``) and the summary numbers drawn from them.
+
+Rows are appended and flushed one per optimizer step. On resume the file is cut back to the
+checkpoint's step so that it equals the uninterrupted run's file (except timings); rows of a
+previous attempt are never dropped silently: rows past the checkpoint's step (or, on a restart
+without a checkpoint, every row) are moved to ``metrics.jsonl.discarded`` and the count is
+printed. The file is read strictly (:func:`lrmoe.run_folder.read_metrics`): only a torn last line
+may be dropped; any other undecodable line is a :class:`lrmoe.files.CorruptFileError` naming it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+from ..files import write_text
+from ..run_folder import read_metrics
+
+METRIC_KEYS = ("step", "epoch", "loss", "ppl", "lr", "grad_norm", "tokens", "label_tokens", "tokens_per_s",
+               "step_time_s", "moe_fwd_s", "moe_bwd_s", "kept_fraction", "nonfinite", "layers", "elapsed_s")
+
+
+def _lines(rows) -> str:
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+class MetricsLog:
+    """``metrics.jsonl`` of one run (rank 0 writes it)."""
+
+    def __init__(self, path, say=None):
+        self.path = Path(path)
+        self.discarded = self.path.with_name(self.path.name + ".discarded")
+        self.say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self._f = None
+
+    def _discard(self, rows: list[dict], why: str) -> None:
+        if not rows:
+            return
+        with open(self.discarded, "a") as f:  # appended: every discarded attempt is kept
+            f.write(_lines(rows))
+        self.say(f"{self.path}: {len(rows)} row(s) {why} moved to {self.discarded.name}")
+
+    def start(self) -> None:
+        """A fresh run: an empty file (rows of an earlier attempt without a checkpoint are kept aside)."""
+        rows = read_metrics(self.path)
+        self._discard(rows, "of an earlier attempt that left no checkpoint (the run restarts at step 1)")
+        write_text(self.path, "")
+
+    def resume_at(self, step: int) -> None:
+        """Cut the file back to the rows of steps 1..``step`` (the checkpoint's)."""
+        rows = read_metrics(self.path)
+        keep = [r for r in rows if r.get("step", 0) <= step]
+        self._discard([r for r in rows if r.get("step", 0) > step], f"after the checkpoint's step {step}")
+        write_text(self.path, _lines(keep))
+
+    def open(self) -> None:
+        self._f = open(self.path, "a")
+
+    def append(self, row: dict) -> None:
+        self._f.write(json.dumps(row) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+    def rows(self) -> list[dict]:
+        return read_metrics(self.path)
+
+
+def summary_of_metrics(rows: list[dict], steps: int) -> dict:
+    """The ``final`` entry of summary.json: last step, means of the PPL (final 10 % and all steps)."""
+    if not rows:
+        return {}
+    last = rows[-1]
+    n_tail = max(1, math.ceil(0.1 * steps))
+    tail = [r["ppl"] for r in rows if r["step"] > steps - n_tail and r["ppl"] is not None]
+    ppls = [r["ppl"] for r in rows if r["ppl"] is not None]  # steps without response tokens have none
+    evals = [r for r in rows if "eval_loss" in r]
+    out = {"step": last["step"], "loss": last["loss"], "ppl": last["ppl"],
+           "mean_ppl_final_10pct": sum(tail) / len(tail) if tail else None,
+           "mean_ppl_all_steps": sum(ppls) / len(ppls) if ppls else None,
+           "steps_without_loss": len(rows) - len(ppls),
+           "kept_fraction_mean": sum(r["kept_fraction"] for r in rows) / len(rows),
+           "nonfinite_total": sum(r.get("nonfinite", 0) for r in rows)}
+    if evals:
+        out.update(eval_loss=evals[-1]["eval_loss"], eval_ppl=evals[-1]["eval_ppl"], eval_step=evals[-1]["step"])
+    return out

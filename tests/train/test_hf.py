@@ -1,0 +1,136 @@
+"""transformers integration (lrmoe.hf): the "lrmoe" experts implementation in Qwen3-MoE and GLM-4.5
+models, against transformers' own experts; the block-causal mask over packed documents."""
+import pytest
+import torch
+
+import lrmoe.hf as hf
+from lrmoe import BackwardPolicy
+
+
+def train_steps(model, batches):
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses, grads = [], []
+    for ids in batches:
+        opt.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        opt.step()
+    return losses, grads
+
+
+@pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "glm4-moe-tiny"])
+def test_drop0_matches_grouped_mm_over_optimizer_steps(preset):
+    ref = hf.build_model(preset, experts_implementation="grouped_mm", vocab_size=97, seed=3)
+    ours = hf.build_model(preset, vocab_size=97, seed=3, policy=BackwardPolicy(0.0))
+    ours.load_state_dict(ref.state_dict())
+    batches = [torch.randint(0, 97, (2, 12)) for _ in range(3)]
+    (l1, g1), (l2, g2) = train_steps(ref, batches), train_steps(ours, batches)
+    for step, (a, b, ga, gb) in enumerate(zip(l1, l2, g1, g2)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"loss at step {step}: {m}")
+        assert ga.keys() == gb.keys()
+        for n in ga:
+            torch.testing.assert_close(gb[n], ga[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"step {step} {n}: {m}")
+
+
+def test_policies_and_records_per_layer():
+    model = hf.build_model("qwen3-moe-tiny", vocab_size=50)
+    n = len(hf.experts_modules(model))
+    assert n == 2
+    hf.set_policy(model, [BackwardPolicy(0.0), BackwardPolicy(0.5, scorer="grad_norm")])
+    assert [p.drop_ratio for p in hf.get_policies(model)] == [0.0, 0.5]
+    assert hf.backward_records(model) == [None, None]
+    ids = torch.randint(0, 50, (2, 10))
+    model(input_ids=ids, labels=ids).loss.backward()
+    r0, r1 = hf.backward_records(model)
+    assert r0.kept_fraction == 1.0 and r1.kept_fraction == 0.5
+    assert r1.kept_mask.shape == (20, 2)
+
+
+def test_set_policy_errors():
+    model = hf.build_model("glm4-moe-tiny", vocab_size=50)
+    with pytest.raises(ValueError, match="got 3 policies for 1 MoE layers"):
+        hf.set_policy(model, [BackwardPolicy()] * 3)
+    with pytest.raises(ValueError, match="no routed-experts modules"):
+        hf.set_policy(torch.nn.Linear(2, 2), BackwardPolicy())
+    with pytest.raises(ValueError, match="unknown model preset 'gpt2'"):
+        hf.model_config("gpt2")
+
+
+def test_paper_configs_have_the_published_dimensions():
+    q = hf.model_config("qwen3-30b-a3b")
+    assert (q.hidden_size, q.moe_intermediate_size, q.num_experts, q.num_experts_per_tok, q.num_hidden_layers) == (
+        2048, 768, 128, 8, 48)
+    g = hf.model_config("glm-4.5-air")
+    assert (g.hidden_size, g.moe_intermediate_size, g.n_routed_experts, g.num_experts_per_tok) == (4096, 1408, 128, 8)
+    assert g.rope_parameters["rope_theta"] == 1e6 if hasattr(g, "rope_parameters") else g.rope_theta == 1e6
+
+
+def _compare(preset, dtype, impl="eager", **over):
+    ref = hf.build_model(preset, experts_implementation=impl, vocab_size=97, seed=3, dtype=dtype, **over)
+    ours = hf.build_model(preset, vocab_size=97, seed=3, dtype=dtype, policy=BackwardPolicy(0.0), **over)
+    # a non-zero GLM correction bias (changes which experts are chosen, not the weights)
+    for m in ref.modules():
+        if hasattr(m, "e_score_correction_bias"):
+            m.e_score_correction_bias.copy_(torch.linspace(-0.3, 0.3, m.e_score_correction_bias.numel()))
+    ours.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
+    la = ref(input_ids=ids, labels=ids)
+    lb = ours(input_ids=ids, labels=ids)
+    la.loss.backward()
+    lb.loss.backward()
+    return ref, ours, la, lb
+
+
+@pytest.mark.parametrize("preset,over", [
+    ("qwen3-moe-tiny", dict(norm_topk_prob=False)),
+    ("glm4-moe-tiny", dict(norm_topk_prob=False, routed_scaling_factor=2.5)),
+    ("glm4-moe-tiny", dict()),
+])
+def test_forward_matches_eager_fp32(preset, over):
+    ref, ours, la, lb = _compare(preset, torch.float32, **over)
+    torch.testing.assert_close(lb.logits, la.logits, rtol=1e-4, atol=1e-5)
+    gr = dict(ref.named_parameters())
+    for n, p in ours.named_parameters():
+        if gr[n].grad is None:
+            assert p.grad is None, n
+            continue
+        torch.testing.assert_close(p.grad, gr[n].grad, rtol=1e-3, atol=1e-5, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "glm4-moe-tiny"])
+def test_forward_matches_eager_bf16(preset):
+    ref, ours, la, lb = _compare(preset, torch.bfloat16)
+    assert lb.logits.dtype == la.logits.dtype
+    torch.testing.assert_close(lb.logits.float(), la.logits.float(), rtol=3e-2, atol=3e-2)
+    assert abs(float(lb.loss) - float(la.loss)) < 2e-2
+
+
+def test_forward_under_cpu_autocast_matches_eager():
+    ref = hf.build_model("qwen3-moe-tiny", experts_implementation="eager", vocab_size=97, seed=3)
+    ours = hf.build_model("qwen3-moe-tiny", vocab_size=97, seed=3)
+    ours.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = ref(input_ids=ids).logits
+        b = ours(input_ids=ids).logits
+    torch.testing.assert_close(b.float(), a.float(), rtol=5e-2, atol=5e-2)
+
+
+def test_packed_documents_do_not_attend_to_each_other():
+    """With use_cache=False (as train() and evaluate() call the model) the mask follows
+    position_ids: document 2 packed after document 1 gives the logits of document 2 alone.
+    With transformers' default cache the mask would be plainly causal (the control)."""
+    model = hf.build_model("qwen3-moe-tiny", vocab_size=97, seed=1)
+    model.train()
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randint(0, 97, (1, 7), generator=g), torch.randint(0, 97, (1, 9), generator=g)
+    packed = torch.cat([a, b], 1)
+    pos = torch.cat([torch.arange(7), torch.arange(9)]).unsqueeze(0)
+    with torch.no_grad():
+        alone = model(input_ids=b, position_ids=torch.arange(9).unsqueeze(0), use_cache=False).logits
+        together = model(input_ids=packed, position_ids=pos, use_cache=False).logits[:, 7:]
+        cached = model(input_ids=packed, position_ids=pos).logits[:, 7:]
+    torch.testing.assert_close(together, alone, rtol=1e-4, atol=1e-5)
+    assert (cached - alone).abs().max() > 1e-2  # the control: the cache's causal mask mixes them

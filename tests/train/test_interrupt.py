@@ -1,0 +1,100 @@
+"""Stopping a run (lrmoe.train.loop): Ctrl-C and SIGTERM at and inside a step, an ignored SIGINT;
+the run resumes as if uninterrupted."""
+import os
+import signal
+
+import pytest
+
+import lrmoe.hf as hf
+from lrmoe.train import read_metrics, train
+
+from .helpers import cfg
+
+
+def _on_call(monkeypatch, target, name, n, action):
+    """Run ``action()`` on the n-th call (1-based) of target.name, before the call."""
+    orig = getattr(target, name)
+    calls = {"n": 0}
+
+    def wrapper(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == n:
+            action()
+        return orig(*a, **k)
+
+    monkeypatch.setattr(target, name, wrapper)
+
+
+def _raise():
+    raise KeyboardInterrupt
+
+
+def _sigint():
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.fixture
+def sigint_handler(request):
+    """SIGINT set to ``request.param`` (default: Python's own handler, whatever this process
+    inherited: a background job starts with SIGINT ignored) for the test, restored after."""
+    handler = getattr(request, "param", signal.default_int_handler)
+    before = signal.signal(signal.SIGINT, handler)
+    yield handler
+    signal.signal(signal.SIGINT, before)
+
+
+@pytest.mark.parametrize("how", ["signal", "exception"])
+def test_ctrl_c_inside_a_step_resumes_exactly(data_path, tmp_path, monkeypatch, how, sigint_handler):
+    """Ctrl-C while step 3's second micro-batch runs (grad_accum 2, random scorer). A real SIGINT
+    lets step 3 finish and checkpoints at its end; a KeyboardInterrupt raised inside the step
+    (no consistent state) writes no checkpoint. Either way the resumed run equals an
+    uninterrupted one: same rows, epochs and losses."""
+    c = cfg(data_path, steps=5, grad_accum=2, drop_ratio=0.3, scorer="random")
+    full, part = tmp_path / "full", tmp_path / "part"
+    train(c, full, progress=False)
+    with monkeypatch.context() as mp:  # backward_records: once per micro-batch; call 6 = step 3, micro-batch 2
+        _on_call(mp, hf, "backward_records", 6, _sigint if how == "signal" else _raise)
+        with pytest.raises(KeyboardInterrupt):
+            train(c, part, progress=False)
+    rows = read_metrics(part / "metrics.jsonl")
+    assert [r["step"] for r in rows] == ([1, 2, 3] if how == "signal" else [1, 2])
+    assert (part / "checkpoint.pt").exists() == (how == "signal")
+    assert signal.getsignal(signal.SIGINT) is sigint_handler  # the handler was restored
+    train(c, part, progress=False)
+    a, b = read_metrics(full / "metrics.jsonl"), read_metrics(part / "metrics.jsonl")
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5]
+    assert [r["epoch"] for r in b] == [r["epoch"] for r in a]
+    assert [r["loss"] for r in b] == [r["loss"] for r in a]
+
+
+@pytest.mark.parametrize("sigint_handler", [signal.SIG_IGN], indirect=True)
+def test_an_ignored_sigint_stays_ignored(data_path, tmp_path, monkeypatch, sigint_handler):
+    """A process started with SIGINT ignored (a background job, nohup) keeps ignoring it: training
+    installs no Ctrl-C handler, and a SIGINT in the middle of a step changes nothing."""
+    c = cfg(data_path, steps=3, warmup_steps=1, eval_batches=None)
+    seen = []
+    with monkeypatch.context() as mp:
+        _on_call(mp, hf, "backward_records", 2, lambda: (seen.append(signal.getsignal(signal.SIGINT)), _sigint()))
+        try:
+            train(c, tmp_path / "run", progress=False)
+        except KeyboardInterrupt:  # not let through to pytest, which would end the whole session
+            pytest.fail("training stopped on a SIGINT that the process ignores")
+    assert seen == [signal.SIG_IGN]
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
+def test_ctrl_c_during_evaluation_keeps_every_metrics_row(data_path, tmp_path, monkeypatch, sigint_handler):
+    """Ctrl-C during the evaluation of step 2: the step (with its eval) completes, its row is
+    written, the checkpoint is at step 2, and the resumed file has one row per step."""
+    import lrmoe.train.loop as T
+
+    c = cfg(data_path, steps=4, eval_interval=2)
+    with monkeypatch.context() as mp:
+        _on_call(mp, T, "evaluate", 1, _sigint)
+        with pytest.raises(KeyboardInterrupt):
+            train(c, tmp_path, progress=False)
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and "eval_loss" in rows[-1]
+    train(c, tmp_path, progress=False)
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
