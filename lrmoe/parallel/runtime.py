@@ -54,7 +54,7 @@ from torch import nn
 
 from ..experts import autocast_inputs, autocast_off, check_routing_shapes
 from ..policy import BackwardPolicy, BackwardRecord, check_policy
-from ..planning.plan import Cluster, ModelDims, Plan
+from ..planning.plan import Cluster, ModelDims, Plan, check_budget
 from ..planning.policies import get_placement, plan_placement
 from ..planning.selection import selection_quotas
 from .collectives import crc, gather_demand
@@ -115,7 +115,8 @@ class ExpertParallel:
         if isinstance(S, bool) or not isinstance(S, int) or S < self.experts_per_rank:
             raise ValueError(f"slots_per_rank must be an int >= E/G = {self.experts_per_rank}, got {slots_per_rank!r}")
         self.cluster = Cluster(G, S, fast_domains)
-        self.budget_bytes = budget_bytes
+        self.budget_bytes = check_budget(budget_bytes)
+        ModelDims(1, 1, num_experts, 1, 1, grad_bytes, optimizer_bytes_per_param)  # validates the byte sizes now
         self.grad_bytes, self.optimizer_bytes_per_param = grad_bytes, optimizer_bytes_per_param
         self.options = dict(options)
         self.state: Any = None  # planner state (SYMI: last step's popularity)

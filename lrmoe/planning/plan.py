@@ -251,10 +251,16 @@ def check_inputs(demand_GE, cluster: Cluster, dims: ModelDims, budget_bytes) -> 
         raise ValueError("demand_GE must hold whole-number counts")
     if (d < 0).any():
         raise ValueError(f"demand_GE counts must be >= 0, got minimum {d.min()}")
+    check_budget(budget_bytes)
+    return d.astype(np.int64)
+
+
+def check_budget(budget_bytes) -> float:
+    """ValueError unless ``budget_bytes`` is a number > 0 (math.inf: no budget)."""
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float, np.integer, np.floating)) \
             or math.isnan(budget_bytes) or budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be a number > 0 (math.inf for no budget), got {budget_bytes!r}")
-    return d.astype(np.int64)
+    return budget_bytes
 
 
 # ----------------------------------------------------------------------------- shared helpers

@@ -241,6 +241,15 @@ def error_worker(rank, G, port, out_dir):
         out["dtypes"] = "no error"
     except ValueError as e:
         out["dtypes"] = f"ValueError: {e}"
+    # 2d. bad settings fail when the layer is made, not at its first call
+    out["settings"] = []
+    for kw in (dict(budget_bytes=-1), dict(budget_bytes=float("nan")), dict(grad_bytes=-2),
+               dict(optimizer_bytes_per_param=1.5), dict(fast_domains=((0,), (0, 1))), dict(slots_per_rank=0)):
+        try:
+            ExpertParallel(E, None, "fixed", **kw)
+            out["settings"].append("no error")
+        except ValueError as e:
+            out["settings"].append(f"ValueError: {e}")
     # 3. rank 1 never calls the layer: rank 0 must get EPCommunicationError from the PG timeout,
     # while rank 1 is still alive (not from rank 1 exiting and closing its connections).
     m = ExpertParallelExperts.from_full(gu, dn, ExpertParallel(E, None, "fixed"))
@@ -480,6 +489,14 @@ def test_failures_raise_not_hang(tmp_path):
         assert c0["fits"] and c0["pieces"] > 1, c0  # the microbatch is split instead
         assert {"gemm", "router_grad", "fwd_dispatch"} <= set(c0["timings"]), c0
         assert "must share a dtype" in r["dtypes"]
+        want = ["budget_bytes must be a number > 0 (math.inf for no budget), got -1",
+                "budget_bytes must be a number > 0 (math.inf for no budget), got nan",
+                "ModelDims.grad_bytes must be an integer >= 0, got -2",
+                "ModelDims.optimizer_bytes_per_param must be an integer >= 0, got 1.5",
+                "Cluster.fast_domains must partition ranks 0..1", "slots_per_rank must be an int >= E/G"]
+        assert len(r["settings"]) == len(want)
+        for got, w in zip(r["settings"], want):
+            assert got.startswith("ValueError: ") and w in got, (got, w)
     assert r0["missing_peer"].startswith("EPCommunicationError"), r0["missing_peer"]
     assert "all_gather (demand)" in r0["missing_peer"] and "rank 0 of 2" in r0["missing_peer"]
     assert r1.get("alive_when_peer_raised") is True  # the timeout raised it, not the peer's exit
