@@ -18,6 +18,37 @@ def _script(name):
     return mod
 
 
+TARGETS = [  # (variant, row key, bound, comparison): the checks of lrmoe.bench.layer.check_targets, in order
+    ("C0_full", "total_vs_hf", 0.90, "<="), ("C20_compact", "bwd_vs_C0", 0.82, "<="),
+    ("C50_compact", "bwd_vs_C0", 0.55, "<="), ("C20_mask", "bwd_vs_C0", 0.95, ">="),
+    ("C50_mask", "bwd_vs_C0", 0.95, ">="), ("C20_compact", "select_compact_share_of_C0_bwd", 0.03, "<=")]
+
+
+def expected_verdicts(rows) -> list[str]:
+    by = {r["variant"]: r for r in rows}
+    return ["PASS" if (by[v][k] <= b if op == "<=" else by[v][k] >= b) else "MISS" for v, k, b, op in TARGETS]
+
+
+def test_layer_bench_targets_follow_the_measured_values():
+    """check_targets on rows with chosen values: each verdict is the one the value determines (a
+    value equal to its bound passes)."""
+    values = {("C0_full", "total_vs_hf"): 0.90, ("C20_compact", "bwd_vs_C0"): 0.83,
+              ("C50_compact", "bwd_vs_C0"): 0.40, ("C20_mask", "bwd_vs_C0"): 1.10, ("C50_mask", "bwd_vs_C0"): 0.94,
+              ("C20_compact", "select_compact_share_of_C0_bwd"): 0.031}
+    rows = []
+    for v, _, _ in layer.VARIANTS:
+        row = {"shape": "s", "variant": v, "valid": True, "c0_vs_hf_rel_err": {"y": 0.0}}
+        row.update({k: x for (vv, k), x in values.items() if vv == v})
+        rows.append(row)
+    lines = layer.check_targets(rows)
+    assert [line[:6] for line in lines] == ["[PASS]", "[MISS]", "[PASS]", "[PASS]", "[MISS]", "[MISS]"]
+    assert lines[1] == "[MISS] s: compact C20 bwd <= 0.82x C0: measured 0.830"
+    for r in rows:  # LRMoE differing from the transformers block: nothing is judged
+        r["valid"], r["c0_vs_hf_rel_err"] = False, {"y": 0.5}
+    lines = layer.check_targets(rows)
+    assert len(lines) == 1 and lines[0].startswith("[MISS] s: LRMoE C0 differs") and "not judged" in lines[0]
+
+
 def test_layer_bench_smoke(tmp_path):
     layer.main(["--shape", "smoke", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path)])
     d = json.loads((tmp_path / "bench_layer_cpu.json").read_text())
@@ -26,7 +57,10 @@ def test_layer_bench_smoke(tmp_path):
     c20 = next(r for r in d["rows"] if r["variant"] == "C20_compact")
     assert c20["kept_fraction"] == 410 / 512  # round(0.8 * 512) of the smoke shape's 512 pairs
     assert abs(c20["buffer_vs_C0"] - c20["kept_fraction"]) < 1e-9  # buffers proportional to kept rows
-    assert len(d["targets"]) == 6 and all(t.startswith(("[PASS]", "[MISS]")) for t in d["targets"])
+    # each target's verdict is the one its measured value determines
+    assert [t[:6] for t in d["targets"]] == [f"[{v}]" for v in expected_verdicts(d["rows"])]
+    by = {r["variant"]: r for r in d["rows"]}
+    assert all(t.endswith(f"measured {by[v][k]:.3f}") for t, (v, k, _, _) in zip(d["targets"], TARGETS))
     # LRMoE C0 was checked against the transformers block (output and every gradient) before timing
     errs = c20["c0_vs_hf_rel_err"]
     assert c20["valid"] and {"y", "x_grad", "gate.weight", "experts.gate_up_proj", "experts.down_proj"} <= set(errs)
