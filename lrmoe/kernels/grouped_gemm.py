@@ -26,6 +26,10 @@ new one of the logical shape); ``accumulate`` -- add into ``out`` instead of ove
 Offsets always count logical rows. What lands in output rows addressed by logical rows past
 ``offs[-1]`` is unspecified (triton leaves them untouched; the reference writes what its backend
 computed there).
+
+Every backend runs the same argument checks (:mod:`lrmoe.kernels.checks`): negative or decreasing
+offsets and a repeated ``out_index`` are a ValueError for CPU tensors, and on accelerators under
+``torch.autograd.set_detect_anomaly(True)`` (elsewhere the check would cost a host sync).
 """
 from __future__ import annotations
 
