@@ -43,11 +43,11 @@ _EP_ATTR = "lrmoe_ep"
 def ep_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                        top_k_weights: torch.Tensor) -> torch.Tensor:
     """Forward of a parallelized transformers experts module: hidden [T, H] -> [T, H]."""
-    policy = getattr(self, _hf._POLICY_ATTR, None) or BackwardPolicy()
+    policy = getattr(self, _hf.POLICY_ATTR, None) or BackwardPolicy()
     record = None
     if torch.is_grad_enabled():
         ref = weakref.ref(self)
-        record = BackwardRecord(on_fill=lambda r: (m := ref()) is not None and setattr(m, _hf._RECORD_ATTR, r))
+        record = BackwardRecord(on_fill=lambda r: (m := ref()) is not None and setattr(m, _hf.RECORD_ATTR, r))
     y = ep_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
                    getattr(self, _EP_ATTR), policy, record)
     return y.to(hidden_states.dtype)
@@ -74,7 +74,7 @@ def parallelize_experts(model: nn.Module, group=None, placement: str = "fixed", 
     for m in mods:
         if isinstance(getattr(m, _EP_ATTR, None), ExpertParallel):
             raise ValueError(f"{type(m).__name__} is already expert parallel")
-        _hf._check_supported(m)
+        _hf.check_supported(m)
         E = int(m.gate_up_proj.shape[0])
         ep = ExpertParallel(E, group, placement, budget_bytes=budget_bytes, slots_per_rank=slots_per_rank,
                             fast_domains=fast_domains, **options)
