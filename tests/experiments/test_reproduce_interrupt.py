@@ -45,7 +45,7 @@ def _rows(path):
 def _sigterm_once_training(tmp_path, jobs: int, training: list[str]):
     """Start the driver in its own process group, wait until every run of ``training`` has logged 3
     steps, SIGTERM the parent only (as a scheduler would); returns (exit status, log, processes of
-    the group still there other than multiprocessing's resource tracker)."""
+    the group still running other than multiprocessing's resource tracker, results folder)."""
     out = tmp_path / "out"
     env = dict(os.environ, LRMOE_CACHE=str(tmp_path / "cache"), HF_HOME=str(tmp_path / "hf"))
     env.pop("LRMOE_ALPACA", None)
@@ -65,7 +65,8 @@ def _sigterm_once_training(tmp_path, jobs: int, training: list[str]):
         os.kill(proc.pid, signal.SIGTERM)
         rc = proc.wait()
         ps = subprocess.run(["ps", "-o", "pid=,args=", "-g", str(proc.pid)], capture_output=True, text=True).stdout
-        left = [line for line in ps.splitlines() if line.strip() and "resource_tracker" not in line]
+        left = [line for line in ps.splitlines()  # (exited, not yet reaped by init: <defunct>)
+                if line.strip() and "resource_tracker" not in line and "<defunct>" not in line]
     finally:
         try:  # whatever happened, nothing of this test keeps running
             os.killpg(proc.pid, signal.SIGKILL)
