@@ -104,3 +104,16 @@ def test_changing_the_seed_starts_the_new_seed_stream():
                        torch.rand(4, generator=torch.Generator().manual_seed(2)))
     policy.seed = 1  # back to seed 1: its stream continues where it was
     assert not torch.equal(torch.rand(4, generator=policy.generator("cpu")), first)
+
+
+def test_resume_with_another_thread_count_is_refused(data_path, tmp_path):
+    """CPU results depend on the thread count (reduction order): a resumed run would not equal the
+    uninterrupted one, so it is refused, naming both counts and how to resume."""
+    before = torch.get_num_threads()
+    try:
+        train(cfg(data_path, steps=4, warmup_steps=1, threads=2), tmp_path, progress=False, stop_after=2)
+        with pytest.raises(ValueError, match=r"trained with 2 CPU thread\(s\), this process has 1.*--threads 2"):
+            train(cfg(data_path, steps=4, warmup_steps=1, threads=1), tmp_path, progress=False)
+        assert train(cfg(data_path, steps=4, warmup_steps=1, threads=2), tmp_path, progress=False)["status"] == "done"
+    finally:
+        torch.set_num_threads(before)

