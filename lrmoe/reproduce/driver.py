@@ -61,7 +61,7 @@ def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_r
         return 0
     if sv.stale or sv.unreadable:
         if main:
-            _refuse(out, sv)
+            print("\n".join(sv.refusal(out, "lrmoe reproduce")), file=sys.stderr)
         return 2
     if p.launcher == "torchrun" and not under_torchrun:
         return _launch_torchrun(p, out, pl["all_runs"], runs, pending, figures)
@@ -108,20 +108,6 @@ def _list_runs(p: Preset, out: Path, runs: list[RunSpec], sv, skip: str | None) 
             print("    " + shlex.join(torchrun.torchrun_command(r, out / r.name, p.nproc)))
     if skip:
         print(f"  note: {skip}", file=sys.stderr)
-
-
-def _refuse(out: Path, sv) -> None:
-    if sv.stale:
-        print(f"lrmoe reproduce: {len(sv.stale)} run folder(s) under {out}/ hold runs of another config "
-              f"(a changed preset, --data or kit version); move or delete them, or use --out:", file=sys.stderr)
-        for name, diff in sv.stale.items():
-            print(f"  {name}: {'; '.join(diff)}", file=sys.stderr)
-    if sv.unreadable:
-        print(f"lrmoe reproduce: {len(sv.unreadable)} run folder(s) under {out}/ have a summary.json that cannot "
-              f"be read, so whether they hold this preset's run is unknown; repair, move or delete them, or use "
-              f"--out:", file=sys.stderr)
-        for name, why in sv.unreadable.items():
-            print(f"  {name}: {why}", file=sys.stderr)
 
 
 def _launch_torchrun(p: Preset, out: Path, all_runs: list[RunSpec], runs: list[RunSpec], pending: list[RunSpec],

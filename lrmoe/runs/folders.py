@@ -32,6 +32,21 @@ class Survey:
     def pending(self, runs: list[RunSpec]) -> list[RunSpec]:
         return [r for r in runs if self.status.get(r.name) != "done"]
 
+    def refusal(self, out, prog: str) -> list[str]:
+        """Why ``prog`` must not train into ``out`` (one line per reason, then one per folder); []
+        when no folder is stale or unreadable."""
+        lines = []
+        if self.stale:
+            lines.append(f"{prog}: {len(self.stale)} run folder(s) under {out}/ hold runs of another config (a "
+                         f"changed preset or grid, --data or kit version); move or delete them, or use --out:")
+            lines += [f"  {name}: {'; '.join(diff)}" for name, diff in self.stale.items()]
+        if self.unreadable:
+            lines.append(f"{prog}: {len(self.unreadable)} run folder(s) under {out}/ have a summary.json that cannot "
+                         f"be read, so whether they hold the run is unknown; repair, move or delete them, or use "
+                         f"--out:")
+            lines += [f"  {name}: {why}" for name, why in self.unreadable.items()]
+        return lines
+
     def label(self, name: str) -> str:
         """One word for a listing: unreadable, stale, done, running, ... or new."""
         if name in self.unreadable:

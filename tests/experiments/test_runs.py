@@ -107,3 +107,16 @@ def test_manifest_is_written_atomically_as_json(tmp_path):
     path = folders.write_manifest(tmp_path / "out", {"preset": {"name": "p"}, "runs": []})
     assert json.loads(path.read_text()) == {"preset": {"name": "p"}, "runs": []}
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["manifest.json"]  # no temporary file left
+
+
+def test_refusal_names_each_stale_and_unreadable_folder(tmp_path):
+    runs = [_spec("ok"), _spec("stale", lr=0.5), _spec("torn")]
+    _summary(tmp_path / "ok", BASE)
+    _summary(tmp_path / "stale", BASE)
+    (tmp_path / "torn").mkdir()
+    (tmp_path / "torn" / "summary.json").write_bytes(b"\xff\xfe")
+    lines = survey(tmp_path, runs).refusal(tmp_path, "lrmoe ablate")
+    assert lines[0].startswith("lrmoe ablate: 1 run folder(s) under") and "another config" in lines[0]
+    assert lines[1].startswith("  stale: lr: ")
+    assert "cannot be read" in lines[2] and lines[3].startswith("  torn: ") and len(lines) == 4
+    assert survey(tmp_path, runs[:1]).refusal(tmp_path, "lrmoe ablate") == []
