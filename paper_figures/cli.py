@@ -17,6 +17,8 @@ def register_cli(sub) -> None:
 def _cli(args) -> int:
     from pathlib import Path
 
+    from lrmoe.files import CorruptFileError
+
     from .makers import MAKERS, ordered
     from .report import make_all
 
@@ -29,7 +31,11 @@ def _cli(args) -> int:
         print(f"lrmoe figures: unknown key(s) {', '.join(unknown)} in --only; accepted: {', '.join(sorted(MAKERS))}",
               file=sys.stderr)
         return 2
-    files = make_all(args.results, args.out, only, warn=lambda msg: print(f"lrmoe figures: {msg}", file=sys.stderr))
+    try:
+        files = make_all(args.results, args.out, only, warn=lambda msg: print(f"lrmoe figures: {msg}", file=sys.stderr))
+    except CorruptFileError as e:  # a manifest, or a finished run's metrics, that cannot be read
+        print(f"lrmoe figures: {e}", file=sys.stderr)
+        return 2
     for f in files:
         print(f)
     missing = [m.key for m in sorted(ordered(only), key=lambda m: m.key) if m.fn is None]

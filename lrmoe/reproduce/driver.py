@@ -8,6 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from lrmoe.files import CorruptFileError
 from lrmoe.runs import RunSpec, record_call, run_all, select, survey, torchrun, write_manifest
 from lrmoe.train.ep import world_size_from_env
 
@@ -145,6 +146,10 @@ def _finish(p, out, runs, pending, failures, wall, jobs, only, figures) -> int:
     if figures:
         from paper_figures import make_all
 
-        written = make_all(out, out, warn=lambda msg: print(f"lrmoe reproduce: {msg}", file=sys.stderr))
+        try:
+            written = make_all(out, out, warn=lambda msg: print(f"lrmoe reproduce: {msg}", file=sys.stderr))
+        except CorruptFileError as e:  # a run's metrics that cannot be read: say which, keep the runs
+            print(f"lrmoe reproduce: the figures were not made: {e}", file=sys.stderr)
+            return 1
         print(f"figures and tables: {len(written)} files under {out}/tables and {out}/figures", file=sys.stderr)
     return 1 if failures else 0

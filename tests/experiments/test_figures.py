@@ -204,3 +204,18 @@ def test_figures_cli_rejects_an_unknown_key_and_a_missing_folder(fake, tmp_path,
     assert "unknown key(s) T9" in capsys.readouterr().err and not (fake / "report.md").exists()
     assert main(["figures", "--results", str(tmp_path / "nowhere")]) == 2
     assert "no results folder" in capsys.readouterr().err
+
+
+def test_figures_cli_names_a_file_it_cannot_read(fake, capsys):
+    """A corrupt manifest, or a bad line inside a finished run's metrics, stops `lrmoe figures` with
+    status 2 and the file (and line) named, not a traceback and not a silently shorter curve."""
+    from lrmoe.cli import main
+
+    rows = (fake / "qwen3-C10-lrm-s0" / "metrics.jsonl").read_text().splitlines()
+    rows[4] = rows[4][:10]
+    (fake / "qwen3-C10-lrm-s0" / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    assert main(["figures", "--results", str(fake), "--only", "T1"]) == 2
+    assert "qwen3-C10-lrm-s0/metrics.jsonl: line 5 of 10" in capsys.readouterr().err
+    (fake / "manifest.json").write_text("{")
+    assert main(["figures", "--results", str(fake)]) == 2
+    assert "manifest.json: not valid JSON" in capsys.readouterr().err
