@@ -26,7 +26,6 @@ from ..policy import BackwardPolicy, BackwardRecord
 IMPLEMENTATION = "lrmoe"
 # Attributes of a transformers experts module: its BackwardPolicy, and the record of its latest backward.
 POLICY_ATTR, RECORD_ATTR = "lrmoe_policy", "lrmoe_last_backward"
-_POLICY_ATTR, _RECORD_ATTR = POLICY_ATTR, RECORD_ATTR  # transitional: lrmoe.hf.parallel's old names
 
 
 def check_supported(experts: nn.Module) -> None:
@@ -46,9 +45,6 @@ def check_supported(experts: nn.Module) -> None:
     if problems:
         raise ValueError(f"the lrmoe experts implementation does not support {', '.join(problems)} "
                          f"in {type(experts).__name__}")
-
-
-_check_supported = check_supported  # transitional: lrmoe.hf.parallel's old name
 
 
 def lrmoe_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

@@ -40,23 +40,7 @@ Exact resume: calling :func:`train` again on the same ``out_dir`` with the same 
 from the checkpoint; the losses it logs are bit-identical to those of an uninterrupted run (same
 device, same thread count: a resume on the CPU with another thread count is refused).
 
-Definitions (see docs/reproduce.md):
-
-* ``loss``: mean next-token cross-entropy over the response tokens (labels != -100) of the whole
-  optimizer step (all micro-batches; each micro-batch's summed loss is divided by the step's token
-  count, so at drop ratio 0 accumulation is exactly a bigger micro-batch; with drops, quotas and
-  selection apply per layer call, i.e. per micro-batch). ``ppl = exp(loss)`` is the per-token
-  perplexity of the training stream, the quantity the paper averages over its final steps. A step
-  whose rows hold no response token logs ``loss`` and ``ppl`` as null and is left out of the PPL means.
-* ``moe_fwd_s``/``moe_bwd_s``: seconds spent *inside the routed-experts functions* of all MoE layers
-  during the step (forward: from entering to leaving each experts module, i.e. dispatch/sort,
-  quotas, grouped GEMMs, combine; backward: from the moment autograd starts the experts node to
-  the moment it has produced its input gradients, i.e. router gradient, scoring, selection,
-  compaction, grouped GEMMs, scatter). Router, attention, shared experts and the optimizer are
-  excluded: this is the paper's "execution inside MoE layers". CPU: ``time.perf_counter``; CUDA:
-  CUDA events, summed after the step's synchronisation.
-* ``kept_fraction``: kept / routed pairs in the expert backward, mean over MoE layers (1.0 at C0).
-* ``tokens_per_s``: non-padding input tokens of the step / wall time of the step.
+Definitions of the metrics: :mod:`lrmoe.train.metrics`.
 """
 from __future__ import annotations
 

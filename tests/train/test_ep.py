@@ -191,7 +191,7 @@ def test_launch_errors(tmp_path, monkeypatch, capsys):
 def test_cli_ep_flags():
     import argparse
 
-    from lrmoe.train.loop import config_from_args, register_cli
+    from lrmoe.train.cli import config_from_args, register_cli
 
     ap = argparse.ArgumentParser()
     register_cli(ap.add_subparsers(dest="command"))
@@ -208,7 +208,7 @@ def test_paper_commands_rebuild_each_run_config():
     import shlex
 
     from lrmoe.reproduce import plan, torchrun_command
-    from lrmoe.train.loop import config_from_args, register_cli
+    from lrmoe.train.cli import config_from_args, register_cli
 
     ap = argparse.ArgumentParser()
     register_cli(ap.add_subparsers(dest="command"))
