@@ -14,32 +14,13 @@ import time
 
 import torch
 
-
-def _local_experts_function() -> type:
-    from .. import experts
-
-    fn = getattr(experts, "SelectiveExperts", None)  # its public name, where lrmoe.experts exports one
-    if fn is not None:
-        return fn
-    # Otherwise ask the public entry point which Function it applies (a 1-token call on the CPU).
-    E, H, I = 1, 4, 4
-    x = torch.zeros(1, H, requires_grad=True)
-    y = experts.lrmoe_experts(x, torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1),
-                              torch.zeros(E, 2 * I, H), torch.zeros(E, H, I))
-    return node_function(y.grad_fn)
-
-
-_FUNCTIONS: tuple[type, ...] | None = None
+from ..experts import SelectiveExperts
+from ..parallel.function import EPExperts
 
 
 def experts_functions() -> tuple[type, ...]:
     """The autograd Function classes whose nodes are "the experts' backward"."""
-    global _FUNCTIONS
-    if _FUNCTIONS is None:
-        from ..parallel.function import EPExperts
-
-        _FUNCTIONS = (_local_experts_function(), EPExperts)
-    return _FUNCTIONS
+    return SelectiveExperts, EPExperts
 
 
 def node_function(node) -> type | None:
