@@ -2,8 +2,6 @@
 torn last line may be dropped, any other undecodable line stops the resume naming the line."""
 import json
 
-import pytest
-
 from lrmoe.cli import main
 from lrmoe.train import read_metrics, train
 
