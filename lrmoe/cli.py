@@ -14,7 +14,7 @@ import sys
 # subcommand -> module defining register_cli(subparsers)
 COMMANDS = {
     "bench": "lrmoe.bench.cli",
-    "train": "lrmoe.train.loop",
+    "train": "lrmoe.train.cli",
     "reproduce": "lrmoe.reproduce",
     "figures": "paper_figures.cli",
 }

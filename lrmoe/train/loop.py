@@ -441,11 +441,3 @@ class Trainer:
             return s
         # other ranks: rank 0's summary (a folder on a shared file system), else the essentials
         return read_summary(self.out) or {"status": "done" if done else "running", "steps_done": self.step_done}
-
-
-def register_cli(sub) -> None:
-    """Transitional: lrmoe/cli.py still names this module for the `train` command; the command
-    lives in :mod:`lrmoe.train.cli` (remove this once lrmoe/cli.py names that module)."""
-    from .cli import register_cli as add
-
-    add(sub)
