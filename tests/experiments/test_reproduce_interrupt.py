@@ -65,8 +65,11 @@ def _sigterm_once_training(tmp_path, jobs: int, training: list[str]):
         os.kill(proc.pid, signal.SIGTERM)
         rc = proc.wait()
         ps = subprocess.run(["ps", "-o", "pid=,args=", "-g", str(proc.pid)], capture_output=True, text=True).stdout
-        left = [line for line in ps.splitlines()  # (exited, not yet reaped by init: <defunct>)
-                if line.strip() and "resource_tracker" not in line and "<defunct>" not in line]
+        # A process whose command line ps shows in brackets ("[python]", "[python] <defunct>") has
+        # already released its memory on its way out: it runs no more Python code.
+        left = [line for line in ps.splitlines()
+                if line.split(None, 1)[1:] and not line.split(None, 1)[1].startswith("[")
+                and "resource_tracker" not in line]
     finally:
         try:  # whatever happened, nothing of this test keeps running
             os.killpg(proc.pid, signal.SIGKILL)
