@@ -156,6 +156,31 @@ class _StopSignals:
         self._prev = {}
 
 
+class _Routing:
+    """The backward records of one step's micro-batches, summed: kept and routed pairs per MoE layer,
+    per-expert demand/quota/kept of the sampled layers, non-finite scores, EP communication bytes."""
+
+    def __init__(self, n_moe: int, sampled: list[int]):
+        self.kept = [[0, 0] for _ in range(n_moe)]
+        self.layer_stats = {i: None for i in sampled}
+        self.nonfinite = 0
+        self.comm = {}
+
+    def add(self, records) -> None:
+        for li, rec in enumerate(records):
+            if rec is None or not rec.filled:
+                continue
+            self.kept[li][0] += int(rec.kept.sum())
+            self.kept[li][1] += int(rec.demand.sum())
+            self.nonfinite += rec.nonfinite
+            for k, v in (getattr(rec, "comm_bytes", None) or {}).items():  # EP records only
+                self.comm[k] = self.comm.get(k, 0) + v
+            if li in self.layer_stats:
+                cur = {"demand": rec.demand.cpu(), "quota": rec.quota.cpu(), "kept": rec.kept.cpu()}
+                prev = self.layer_stats[li]
+                self.layer_stats[li] = cur if prev is None else {k: prev[k] + cur[k] for k in cur}
+
+
 class Trainer:
     """One run in one folder: built from its config, resumed from its checkpoint if there is one.
 
@@ -306,10 +331,7 @@ class Trainer:
         opt.zero_grad(set_to_none=True)
         timer.enabled = True
         loss_total = 0.0
-        kept = [[0, 0] for _ in range(self.n_moe)]
-        layer_stats = {i: None for i in self.sampled}
-        nonfinite = 0
-        comm = {}
+        routing = _Routing(self.n_moe, self.sampled)
         for b in runner.local_batches(batches):  # EP: this rank's rows of every micro-batch
             b = {k: v.to(device, non_blocking=True) for k, v in b.items()}
             with self.autocast():
@@ -319,23 +341,12 @@ class Trainer:
             loss = loss_sum / max(1, n_label)
             runner.backward(loss)
             loss_total += float(loss.detach())
-            for li, rec in enumerate(hf.backward_records(model)):
-                if rec is None or not rec.filled:
-                    continue
-                kept[li][0] += int(rec.kept.sum())
-                kept[li][1] += int(rec.demand.sum())
-                nonfinite += rec.nonfinite
-                for k, v in (getattr(rec, "comm_bytes", None) or {}).items():  # EP records only
-                    comm[k] = comm.get(k, 0) + v
-                if li in layer_stats:
-                    cur = {"demand": rec.demand.cpu(), "quota": rec.quota.cpu(), "kept": rec.kept.cpu()}
-                    prev = layer_stats[li]
-                    layer_stats[li] = cur if prev is None else {k: prev[k] + cur[k] for k in cur}
+            routing.add(hf.backward_records(model))
             del logits, loss, loss_sum
         timer.enabled = False
         # EP: sums over the ranks (the per-rank records hold this rank's pairs only)
-        loss_total, kept, layer_stats, nonfinite, extra = runner.reduce_step(loss_total, kept, layer_stats,
-                                                                             nonfinite, comm)
+        loss_total, kept, layer_stats, nonfinite, extra = runner.reduce_step(
+            loss_total, routing.kept, routing.layer_stats, routing.nonfinite, routing.comm)
         params = [p for g in opt.param_groups for p in g["params"]]
         grad_norm = runner.clip_(model, params, cfg.clip)  # EP: gradient sync, then the global norm
         lr = opt.param_groups[0]["lr"]
