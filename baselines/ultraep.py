@@ -109,7 +109,7 @@ def ultraep_threshold(load_E, owner_E, free_G, domain_G, min_tokens: int = 1024,
 
 
 def eplb_replicas(load_E, owner_E, free_G, domain_G) -> list[tuple[int, int]]:
-    """UltraEP's EPLB-like fallback (baselines.md): (expert, host rank) of every replica.
+    """UltraEP's EPLB-like fallback (docs/placement.md): (expert, host rank) of every replica.
 
     Repeatedly add a replica to the expert with the highest load / instances until the free
     slots are used (an expert has at most one copy per rank of its domain, counts only against

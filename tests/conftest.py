@@ -39,3 +39,13 @@ def rng_seed(request):
     torch.manual_seed(seed)
     random.seed(seed)
     return seed
+
+
+@pytest.fixture
+def isolated_caches(tmp_path, monkeypatch):
+    """Hugging Face and kit caches in the test's own folder; no Alpaca location from the caller's
+    environment (tests that prepare data use it with ``pytest.mark.usefixtures``)."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("LRMOE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
+    monkeypatch.delenv("LRMOE_ALPACA", raising=False)

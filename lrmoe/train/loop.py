@@ -78,6 +78,9 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
         self.exit_code = 128 + signum
 
+    def __reduce__(self):  # pickles across a process pool (the default would pass the name as signum)
+        return type(self), (self.signum,)
+
 
 def make_runner(cfg: TrainConfig):
     """:class:`LocalRunner`, or the distributed one when ``cfg.ep > 1`` or under torchrun."""

@@ -16,12 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 CPU_RESULTS = REPO / "results" / "cpu"
 
 
-@pytest.fixture(autouse=True)
-def _isolated_caches(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setenv("LRMOE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
-    monkeypatch.delenv("LRMOE_ALPACA", raising=False)
+pytestmark = pytest.mark.usefixtures("isolated_caches")
 
 
 def _need(*paths):

@@ -45,7 +45,7 @@ def _roundings(shares):
 
 
 def test_lrmoe_rounding_of_instance_quotas_meets_the_threshold():
-    """The review's counter-example (largest remainder gave rank 0 a cost of 23 with tau = 22),
+    """A counter-example to plain largest-remainder rounding (it gave rank 0 a cost of 23 with tau = 22),
     then random small cases against a brute force over every rounding of the instances' shares."""
     d = np.array([[3, 6], [9, 3]])
     p = plan_placement("lrmoe", d, Cluster(2, 2), ModelDims(8, 4, 2, 2, 8), math.inf, drop_ratio=0.5)

@@ -154,3 +154,16 @@ def test_sigterm_checkpoints_at_the_step_and_the_rerun_keeps_every_row(data_path
     again = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in again] == list(range(1, n + 2))
     assert [x["loss"] for x in again[:n]] == [x["loss"] for x in rows]
+
+
+def test_interrupted_survives_a_process_boundary():
+    """A worker of a process pool raises Interrupted; the parent unpickles it with its signal."""
+    import pickle
+    import signal
+
+    from lrmoe.train import Interrupted
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        e = pickle.loads(pickle.dumps(Interrupted(sig)))
+        assert isinstance(e, KeyboardInterrupt) and e.signum == sig and e.exit_code == 128 + sig
+        assert str(e) == signal.Signals(sig).name

@@ -154,14 +154,6 @@ def test_one_training_process_per_run_folder(tmp_path):
         pass
 
 
-@pytest.mark.parametrize("config,rows", [({"micro_batch": 1, "grad_accum": 4}, 4), ({"micro_batch": 8}, 8),
-                                         ({"micro_batch": 2, "global_batch": 16, "grad_accum": 8}, 16), ({}, "?")])
-def test_caption_rows_per_step_count_accumulation(config, rows):
-    from paper_figures.results import rows_per_step
-
-    assert rows_per_step(config) == rows
-
-
 @pytest.mark.parametrize("content", [b'{"status": "running", "conf', b"\xff\xfe", b"[1, 2]"])
 def test_an_unreadable_summary_is_refused_naming_the_file(data_path, tmp_path, content):
     """It used to read as "no previous run", which skipped the different-run guard."""
