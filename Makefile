@@ -2,7 +2,7 @@
 PY ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
-# CPU machines: install the local CPU build of torch first (see ../shared/env-notes.md);
+# CPU machines: install the CPU build of torch 2.13.0 first (a bare `torch` pulls a multi-GB CUDA build);
 # with an NVIDIA GPU, let pip resolve torch>=2.11 normally.
 TORCH_CPU ?= torch==2.13.0
 

@@ -44,13 +44,13 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
     defaults = TrainConfig()
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        help_ = TrainConfig._HELP.get(f.name, "") + f" (default: {getattr(defaults, f.name)})"
+        help_ = TrainConfig.FIELD_HELP.get(f.name, "") + f" (default: {getattr(defaults, f.name)})"
         if f.name == "model_overrides":
             p.add_argument("--model-override", dest="model_overrides", action="append", type=_parse_override,
-                           metavar="KEY=VALUE", help=TrainConfig._HELP[f.name])
+                           metavar="KEY=VALUE", help=TrainConfig.FIELD_HELP[f.name])
         elif f.name == "ep_options":
             p.add_argument("--ep-option", dest="ep_options", action="append", type=_parse_override,
-                           metavar="KEY=VALUE", help=TrainConfig._HELP[f.name])
+                           metavar="KEY=VALUE", help=TrainConfig.FIELD_HELP[f.name])
         elif f.name == "sample_layers":
             p.add_argument(flag, type=int, nargs="+", default=None, help=help_)
         else:

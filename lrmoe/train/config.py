@@ -71,7 +71,7 @@ class TrainConfig:
     ep_options: dict = field(default_factory=dict)
     load_concurrency: int = 1
 
-    _HELP = {
+    FIELD_HELP = {
         "model": "model preset (lrmoe.hf.MODEL_PRESETS)",
         "model_overrides": "transformers config fields to override, KEY=VALUE (JSON values), e.g. num_hidden_layers=4",
         "init_from": "load initial weights from this checkpoint (local folder or hub id) instead of a random "

@@ -79,7 +79,7 @@ class Imports(ast.NodeVisitor):
         self.name, self.is_package, self.known = name, is_package, known
         self.edges: list[tuple[str, int]] = []
         self.private: list[tuple[str, int]] = []
-        self.aliases: dict[str, str] = {}  # local name -> kit module it is bound to
+        self.aliases: dict[str, str] = {}  # local name -> the kit module (or module.name) it is bound to
 
     def _add(self, target: str, line: int):
         # the longest known module prefix of the target (``pkg.mod.attr`` -> ``pkg.mod``)
@@ -105,8 +105,11 @@ class Imports(ast.NodeVisitor):
                 self.aliases[a.asname or a.name] = full
             else:
                 self._add(base, node.lineno)
-                if a.name.startswith("_") and not a.name.startswith("__") and base.split(".")[0] in PACKAGES:
-                    self.private.append((f"{base}.{a.name}", node.lineno))
+                if base.split(".")[0] in PACKAGES:
+                    # a class or function of the kit: Name._private counts as crossing too
+                    self.aliases[a.asname or a.name] = full
+                    if a.name.startswith("_") and not a.name.startswith("__"):
+                        self.private.append((full, node.lineno))
 
     def visit_Constant(self, node):
         # importlib.import_module("pkg.mod") and lazy maps {"Name": "pkg.mod"}: any dotted string that
@@ -114,8 +117,17 @@ class Imports(ast.NodeVisitor):
         if isinstance(node.value, str) and "." in node.value and node.value in self.known:
             self.edges.append((node.value, node.lineno))
 
+    def visit_Call(self, node):
+        # importlib.import_module("pkg") / __import__("pkg"), dotted or not
+        fn = node.func
+        name = fn.attr if isinstance(fn, ast.Attribute) else fn.id if isinstance(fn, ast.Name) else None
+        if name in ("import_module", "__import__", "find_spec") and node.args \
+                and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+            self._add(node.args[0].value, node.lineno)
+        self.generic_visit(node)
+
     def visit_Attribute(self, node):
-        # module._private, where module is a kit module bound by an import
+        # module._private or Name._private, where module / Name was bound by an import from the kit
         if isinstance(node.value, ast.Name) and node.value.id in self.aliases and node.attr.startswith("_") \
                 and not node.attr.startswith("__"):
             self.private.append((f"{self.aliases[node.value.id]}.{node.attr}", node.lineno))

@@ -55,16 +55,19 @@ def test_the_checks_detect_what_they_forbid():
     v = ig.Imports("lrmoe.train.ep", False, known)
     v.visit(ig.ast.parse(textwrap.dedent("""
         from .loop import _secret, public
+        from .loop import Config
         import lrmoe.kernels.routing as R
         def f():
             import importlib
             importlib.import_module("lrmoe.kernels")
-            return R._private_helper
+            __import__("lrmoe")
+            return R._private_helper, Config._HELP, Config.__name__
         CMD = ["python", "-m", "lrmoe.kernels"]
     """)))
-    assert sorted(v.edges) == [("lrmoe.kernels", 6), ("lrmoe.kernels.routing", 3), ("lrmoe.train.loop", 2),
-                               ("lrmoe.train.loop", 2)]
-    assert v.private == [("lrmoe.train.loop._secret", 2), ("lrmoe.kernels.routing._private_helper", 7)]
+    assert sorted(v.edges) == [("lrmoe", 8), ("lrmoe.kernels", 7), ("lrmoe.kernels", 7), ("lrmoe.kernels.routing", 4),
+                               ("lrmoe.train.loop", 2), ("lrmoe.train.loop", 2), ("lrmoe.train.loop", 3)]
+    assert v.private == [("lrmoe.train.loop._secret", 2), ("lrmoe.kernels.routing._private_helper", 9),
+                         ("lrmoe.train.loop.Config._HELP", 9)]
 
 
 def test_planners_import_without_torch():

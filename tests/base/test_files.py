@@ -91,3 +91,14 @@ def test_read_jsonl_refuses_a_bad_line_that_is_not_the_last(tmp_path, where):
         read_jsonl(p)
     with pytest.raises(CorruptFileError):
         torn_tail_offset(p)
+
+
+def test_written_files_get_the_mode_a_plain_open_gives(tmp_path):
+    old = os.umask(0o022)
+    try:
+        p = write_text(tmp_path / "shared.json", "{}")
+        plain = tmp_path / "plain.json"
+        plain.write_text("{}")
+    finally:
+        os.umask(old)
+    assert (p.stat().st_mode & 0o777) == (plain.stat().st_mode & 0o777) == 0o644

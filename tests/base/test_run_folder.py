@@ -53,3 +53,15 @@ def test_hardware_label():
     env = environment()
     assert env["device"] == "cpu" and env["threads"] >= 1 and "torch" in env and env["git"]
     assert hardware_label(env).startswith("CPU (")
+
+
+def test_one_training_process_per_run_folder(tmp_path):
+    """A second process (e.g. a second `lrmoe reproduce` while orphaned workers still train) is refused."""
+    with run_folder_lock(tmp_path, True):
+        with pytest.raises(ValueError, match="being trained by another process"):
+            with run_folder_lock(tmp_path, True):
+                pass
+        with run_folder_lock(tmp_path, False):  # only the main rank locks
+            pass
+    with run_folder_lock(tmp_path, True):  # released on exit
+        pass

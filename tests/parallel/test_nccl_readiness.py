@@ -346,8 +346,9 @@ def test_ranks_issue_matching_collectives(ep_results):
 def test_cases_ran(ep_results):
     for res in ep_results:
         assert res["fixed-c20-split"]["split"], "the split fallback was not exercised"
-        assert res["lrmoe-c20-compact"]["comm"].get("bwd_grad_index", 0) >= 0
         assert res["hf"]["keys"] > 0
+    # the kept rows' positions crossed the network in the compact C20 case (on some rank)
+    assert sum(res["lrmoe-c20-compact"]["comm"].get("bwd_grad_index", 0) for res in ep_results) > 0
     # compact backward with drops sends the row positions (int32 all-to-all)
     assert any(e["op"] == "all_to_all_single" and e["dtype"] == "torch.int32" for e in ep_results[0]["log"])
 

@@ -140,20 +140,6 @@ def test_bf16_autocast_on_cpu_tracks_fp32(data_path, tmp_path):
     assert math.isfinite(rb[-1]["eval_loss"])
 
 
-def test_one_training_process_per_run_folder(tmp_path):
-    """A second process (e.g. a second `lrmoe reproduce` while orphaned workers still train) is refused."""
-    from lrmoe.run_folder import run_folder_lock as _run_folder_lock
-
-    with _run_folder_lock(tmp_path, True):
-        with pytest.raises(ValueError, match="being trained by another process"):
-            with _run_folder_lock(tmp_path, True):
-                pass
-        with _run_folder_lock(tmp_path, False):  # only the main rank locks
-            pass
-    with _run_folder_lock(tmp_path, True):  # released on exit
-        pass
-
-
 @pytest.mark.parametrize("content", [b'{"status": "running", "conf', b"\xff\xfe", b"[1, 2]"])
 def test_an_unreadable_summary_is_refused_naming_the_file(data_path, tmp_path, content):
     """It used to read as "no previous run", which skipped the different-run guard."""
