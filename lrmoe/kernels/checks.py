@@ -1,12 +1,17 @@
 """Argument checks of the grouped GEMM, shared by the dispatcher (:mod:`.grouped_gemm`) and the
 Triton wrapper (:mod:`.triton_grouped_gemm`), so that every backend refuses the same calls.
 
-Shapes, dtypes and devices are checked on every call (host metadata only). The offsets' values
-(non-negative, non-decreasing) and the uniqueness of ``out_index`` need the tensors' contents:
-they are checked where that costs no host synchronisation, i.e. for CPU tensors, and on
-accelerators only under ``torch.autograd.set_detect_anomaly(True)`` (a debugging mode), as the
-experts check their expert indices. On CUDA outside anomaly mode a bad offset or a repeated
-``out_index`` is the caller's error and its result is unspecified."""
+Shapes, dtypes and devices are checked on every call (host metadata only). The value rules need
+the tensors' contents: offsets non-negative, non-decreasing and at most the number of (logical)
+rows they split (``offs[-1] <= M``: rows of ``mat_a``, or ``len(a_index)``, in the row split; the
+contraction length in the contraction split); every index value in range (``a_index`` in
+``[0, rows of mat_a)`` in the row split, ``[0, columns of mat_a)`` in the contraction split;
+``b_index`` in ``[0, rows of mat_b)``; ``out_index`` in ``[0, rows of out)``, ``out`` defaulting
+to ``M`` rows); and no repeated ``out_index`` value. They are checked where that costs no host
+synchronisation, i.e. for CPU tensors, and on accelerators only under
+``torch.autograd.set_detect_anomaly(True)`` (a debugging mode), as the experts check their expert
+indices. On CUDA outside anomaly mode a broken value rule is the caller's error: its result is
+unspecified, and an out-of-range index is an out-of-bounds access."""
 from __future__ import annotations
 
 import torch
@@ -86,20 +91,47 @@ def values_checkable(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" or (torch.is_anomaly_enabled() and t.device.type != "meta")
 
 
-def check_ends(ends: list[int]) -> None:
-    """ValueError unless the offsets ``ends`` (host values) are non-negative and non-decreasing."""
+def check_ends(ends: list[int], rows: int | None = None, what: str = "rows") -> None:
+    """ValueError unless the offsets ``ends`` (host values) are non-negative and non-decreasing
+    and, given ``rows`` (the number of logical rows they split, described by ``what``), end at
+    most at ``rows``."""
     start = 0
     for g, end in enumerate(ends):
         if end < start:
             raise ValueError(f"offs must be non-negative, non-decreasing cumulative end offsets, got offs[{g}] = "
                              f"{end} after {'a start of 0' if g == 0 else f'offs[{g - 1}] = {start}'} (offs = {ends})")
         start = end
+    if rows is not None and ends and ends[-1] > rows:
+        raise ValueError(f"offs[-1] = {ends[-1]} is past the {what}; accepted: non-negative, non-decreasing "
+                         f"offsets of at most {rows} (offs = {ends})")
 
 
-def check_offsets_values(offs: torch.Tensor) -> None:
+def split_rows(mat_a: torch.Tensor, mat_b: torch.Tensor, a_index: torch.Tensor | None = None) -> tuple[int, str]:
+    """The number of logical rows the offsets split, and its description for an error message."""
+    gathered = " (the length of a_index)" if a_index is not None else ""
+    if mat_b.dim() == 3:
+        M = a_index.numel() if a_index is not None else mat_a.shape[0]
+        return M, f"{M} {'logical ' if gathered else ''}rows of mat_a{gathered}"
+    K = a_index.numel() if a_index is not None else mat_a.shape[1]
+    return K, f"contraction length {K} (logical columns of mat_a = logical rows of mat_b)"
+
+
+def check_offsets_values(offs: torch.Tensor, rows: int | None = None, what: str = "rows") -> None:
     """:func:`check_ends` on ``offs`` where its values are checkable (CPU, or anomaly mode)."""
     if offs.numel() and values_checkable(offs):
-        check_ends(offs.tolist())
+        check_ends(offs.tolist(), rows, what)
+
+
+def check_index_values(name: str, index: torch.Tensor | None, n: int, what: str) -> None:
+    """ValueError when a value of ``index`` lies outside ``[0, n)`` (CPU, or anomaly mode): the
+    kernels would read or write outside the tensor it addresses (``what``)."""
+    if index is None or index.numel() == 0 or not values_checkable(index):
+        return
+    bad = ((index < 0) | (index >= n)).nonzero()
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(f"{name}[{i}] = {int(index[i])} is out of range: accepted values are 0 <= {name} < {n} "
+                         f"({what})")
 
 
 def check_out_index_values(out_index: torch.Tensor | None) -> None:
@@ -119,6 +151,15 @@ def check_call(mat_a, mat_b, offs, a_index=None, b_index=None, out_index=None, o
     """Every check of one grouped_mm call (see the module docstring); returns the number of groups."""
     G = check_grouped_mm_args(mat_a, mat_b, offs, a_index=a_index, b_index=b_index)
     check_fused_args(mat_a, mat_b, offs, a_index, b_index, out_index, out, accumulate)
-    check_offsets_values(offs)
+    rows, what = split_rows(mat_a, mat_b, a_index)
+    check_offsets_values(offs, rows, what)
+    if mat_b.dim() == 3:
+        check_index_values("a_index", a_index, mat_a.shape[0], f"the rows of mat_a [{mat_a.shape[0]}, K]")
+        R = out.shape[0] if out is not None else rows
+        check_index_values("out_index", out_index, R, f"the rows of out [{R}, N]" if out is not None else
+                           f"the rows of the new out [{R}, N]")
+    else:
+        check_index_values("a_index", a_index, mat_a.shape[1], f"the columns of mat_a [P, {mat_a.shape[1]}]")
+        check_index_values("b_index", b_index, mat_b.shape[0], f"the rows of mat_b [{mat_b.shape[0]}, N]")
     check_out_index_values(out_index)
     return G

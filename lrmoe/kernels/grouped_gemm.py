@@ -28,7 +28,8 @@ Offsets always count logical rows. What lands in output rows addressed by logica
 computed there).
 
 Every backend runs the same argument checks (:mod:`lrmoe.kernels.checks`): negative or decreasing
-offsets and a repeated ``out_index`` are a ValueError for CPU tensors, and on accelerators under
+offsets, an ``offs[-1]`` past the logical rows it splits, an index value out of range and a
+repeated ``out_index`` are a ValueError for CPU tensors, and on accelerators under
 ``torch.autograd.set_detect_anomaly(True)`` (elsewhere the check would cost a host sync).
 """
 from __future__ import annotations
@@ -38,7 +39,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from .checks import check_call, check_ends, check_grouped_mm_args
+from .checks import check_call, check_ends, check_grouped_mm_args, split_rows
 
 BACKENDS = ("auto", "triton", "torch", "loop")
 _TORCH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -46,9 +47,10 @@ _TORCH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def grouped_mm_loop(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Reference: one ``torch.mm`` per group (one host sync to read the offsets, which are then
-    checked: non-negative and non-decreasing)."""
+    checked: non-negative, non-decreasing, and at most the rows (row split) or the contraction
+    length (contraction split) they split)."""
     ends = offs.tolist()
-    check_ends(ends)
+    check_ends(ends, *split_rows(mat_a, mat_b))
     start = 0
     if mat_b.dim() == 3:
         out = mat_a.new_zeros(mat_a.shape[0], mat_b.shape[2])

@@ -213,3 +213,140 @@ def test_cpu_never_tries_triton(monkeypatch):
         warnings.simplefilter("error")
         assert grouped_gemm.auto_backend(torch.device("cpu"), torch.bfloat16, torch_ok=False) == "loop"
     assert grouped_gemm.TRITON_IMPORT_ERROR == []
+
+
+# --- offsets past the rows they split, and index values out of range, are refused (CPU) -------------
+# Fresh random shapes and values per test (the rng_seed fixture); K = N = 16 and contraction
+# lengths that are multiples of 4 keep every operand 16-byte aligned for the torch backend.
+
+BACKENDS_CPU = ["loop", "torch", "auto"]
+
+
+def rint(lo, hi):
+    """A random int in [lo, hi)."""
+    return int(torch.randint(lo, hi, ()))
+
+
+def past(offs, rows):
+    """``offs`` with its last end moved 1 to 3 rows past ``rows``."""
+    offs = offs.clone()
+    offs[-1] = rows + rint(1, 4)
+    return offs
+
+
+@pytest.mark.parametrize("backend", BACKENDS_CPU)
+@pytest.mark.parametrize("gather", [False, True])
+def test_offsets_past_the_rows_are_refused_row_split(backend, gather):
+    """2D x 3D: offs[-1] may not exceed the (logical) rows of mat_a; with a_index the bound is
+    len(a_index), even where mat_a itself has more rows than offs[-1]."""
+    M, G, K, N = rint(4, 13), rint(1, 5), 16, 16
+    src = torch.randn(M + 8 if gather else M, K)
+    a_index = torch.randint(0, src.shape[0], (M,)) if gather else None
+    b = torch.randn(G, K, N)
+    offs = past(random_offsets(M, G), M)
+    end = int(offs[-1])
+    with pytest.raises(ValueError, match=rf"offs\[-1\] = {end} is past the {M} .*at most {M}"):
+        grouped_mm(src, b, offs, backend=backend, a_index=a_index)
+    if not gather:
+        with pytest.raises(ValueError, match=rf"offs\[-1\] = {end} is past the {M} "):
+            grouped_mm_loop(src, b, offs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS_CPU)
+@pytest.mark.parametrize("gather", ["", "a", "b", "ab"])
+def test_offsets_past_the_contraction_are_refused(backend, gather):
+    """2D x 2D: offs[-1] may not exceed the (logical) contraction length K."""
+    K, G, P, N = 4 * rint(1, 4), rint(1, 5), 8, 16
+    a = torch.randn(P, K + 8 if "a" in gather else K)
+    b = torch.randn(K + 8 if "b" in gather else K, N)
+    a_index = torch.randperm(K + 8)[:K] if "a" in gather else None
+    b_index = torch.randint(0, K + 8, (K,)) if "b" in gather else None
+    offs = past(random_offsets(K, G), K)
+    end = int(offs[-1])
+    with pytest.raises(ValueError, match=rf"offs\[-1\] = {end} is past the contraction length {K} .*at most {K}"):
+        grouped_mm(a, b, offs, backend=backend, a_index=a_index, b_index=b_index)
+    if not gather:
+        with pytest.raises(ValueError, match=rf"offs\[-1\] = {end} is past the contraction length {K} "):
+            grouped_mm_loop(a, b, offs)
+
+
+def bad_value(n, bad):
+    """An index value just outside [0, n): negative (-1 .. -n-1) or n itself."""
+    return -rint(1, n + 2) if bad == "negative" else n
+
+
+@pytest.mark.parametrize("backend", BACKENDS_CPU)
+@pytest.mark.parametrize("bad", ["negative", "rows"])
+@pytest.mark.parametrize("with_out", [False, True])
+def test_out_index_out_of_range_is_refused(backend, bad, with_out):
+    """out_index values must address rows of out (of the new [M, N] output without out=)."""
+    M, G, K, N = rint(2, 12), rint(1, 4), 16, 16
+    R = M + rint(0, 5) if with_out else M
+    out_index = torch.randperm(R)[:M]
+    i = rint(0, M)
+    out_index[i] = v = bad_value(R, bad)  # still no repeated value
+    a, b, offs = torch.randn(M, K), torch.randn(G, K, N), random_offsets(M, G)
+    out = torch.zeros(R, N) if with_out else None
+    with pytest.raises(ValueError, match=rf"out_index\[{i}\] = {v} is out of range.*0 <= out_index < {R}"):
+        grouped_mm(a, b, offs, backend=backend, out_index=out_index, out=out)
+
+
+@pytest.mark.parametrize("backend", BACKENDS_CPU)
+@pytest.mark.parametrize("which", ["a_index rows", "a_index columns", "b_index"])
+@pytest.mark.parametrize("bad", ["negative", "rows"])
+def test_gather_index_out_of_range_is_refused(backend, which, bad):
+    """a_index must address rows of mat_a (row split) or columns of mat_a (contraction split);
+    b_index rows of mat_b."""
+    M, G, T, P, N = 4 * rint(1, 4), rint(1, 4), rint(2, 10), 8, 16
+    offs = random_offsets(M, G)
+    index = torch.randint(0, T, (M,))
+    i = rint(0, M)
+    index[i] = v = bad_value(T, bad)
+    name = which.split()[0]
+    with pytest.raises(ValueError, match=rf"{name}\[{i}\] = {v} is out of range.*0 <= {name} < {T}"):
+        if which == "a_index rows":
+            grouped_mm(torch.randn(T, 16), torch.randn(G, 16, N), offs, backend=backend, a_index=index)
+        elif which == "a_index columns":
+            grouped_mm(torch.randn(P, T), torch.randn(M, N), offs, backend=backend, a_index=index)
+        else:
+            grouped_mm(torch.randn(P, M), torch.randn(T, N), offs, backend=backend, b_index=index)
+
+
+def edge_offsets(end):
+    """Random offsets with empty groups (the first and the last, one more maybe) whose last end is
+    a multiple of 4, and the row count they split: offs[-1] itself ("rows") or 1 to 8 more ("short")."""
+    G = rint(3, 7)
+    sizes = torch.randint(0, 4, (G,))
+    sizes[0] = sizes[-1] = 0
+    sizes[1] += 1 + (-int(sizes.sum()) - 1) % 4  # at least one row; total a multiple of 4
+    offs = torch.cumsum(sizes, 0).to(torch.int32)
+    n = int(offs[-1])
+    return offs, n, n if end == "rows" else n + 4 * rint(1, 3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS_CPU)
+@pytest.mark.parametrize("end", ["rows", "short"])
+def test_in_range_edge_cases_still_pass(backend, end):
+    """Empty groups, offs[-1] == rows or < rows, and index values at both ends of their range run
+    and match the float64 reference (rows past offs[-1] are not compared)."""
+    offs, n, M = edge_offsets(end)
+    G, K, N, P = offs.numel(), 16, 16, 8
+    tol = dict(rtol=2e-5, atol=2e-5)
+    # row split, plain and with gather + scatter into a larger out
+    a, b = torch.randn(M, K), torch.randn(G, K, N)
+    torch.testing.assert_close(grouped_mm(a, b, offs, backend=backend)[:n].double(), naive_rows(a, b, offs)[:n], **tol)
+    T, R = rint(1, 6), M + rint(0, 4)
+    src = torch.randn(T, K)
+    a_index = torch.randint(0, T, (M,))
+    a_index[0], a_index[-1] = 0, T - 1
+    out_index = torch.cat([torch.tensor([0, R - 1]), torch.randperm(R - 2)[:M - 2] + 1])[torch.randperm(M)]
+    out = grouped_mm(src, b, offs, backend=backend, a_index=a_index, out_index=out_index, out=torch.zeros(R, N))
+    torch.testing.assert_close(out[out_index[:n]].double(), naive_rows(src[a_index], b, offs)[:n], **tol)
+    # contraction split, plain and with both gathers
+    a, b = torch.randn(P, M), torch.randn(M, N)
+    torch.testing.assert_close(grouped_mm(a, b, offs, backend=backend).double(), naive_contraction(a, b, offs), **tol)
+    a_index, b_index = torch.randint(0, M + 4, (M,)), torch.randint(0, T, (M,))
+    a_index[0], a_index[-1], b_index[0], b_index[-1] = M + 3, 0, T - 1, 0
+    a, b = torch.randn(P, M + 4), torch.randn(T, N)
+    out = grouped_mm(a, b, offs, backend=backend, a_index=a_index, b_index=b_index)
+    torch.testing.assert_close(out.double(), naive_contraction(a[:, a_index], b[b_index], offs), **tol)

@@ -213,6 +213,16 @@ def test_contraction_split_gathered(dtype, rng_seed):
     check(out, ref64(dgu.t(), x, offs, a_index=a_index, b_index=b_index, out=acc.double(), accumulate=True), dtype)
 
 
+def refused_past_rows_or_clamped(call, ref, dtype=torch.float32):
+    """offs[-1] past the logical rows is refused where the values are checked (CPU tensors, or
+    anomaly mode). On CUDA outside anomaly mode it is unchecked; the kernels clamp the offsets to
+    the logical row count, so they never read past it."""
+    with torch.autograd.set_detect_anomaly(True), pytest.raises(ValueError, match=r"offs\[-1\] = \d+ is past the"):
+        call()
+    if DEV.type == "cuda":
+        close(call(), ref, dtype)
+
+
 def test_rows_past_last_offset_are_left_untouched(rng_seed):
     M, K, N, G = 20, 8, 16, 3
     a, b = rand(M, K, dtype=torch.float32), rand(G, K, N, dtype=torch.float32)
@@ -221,8 +231,9 @@ def test_rows_past_last_offset_are_left_untouched(rng_seed):
     tgg.grouped_mm(a, b, offs, out=out)
     assert (out[12:] == 7.0).all()
     check(out[:12], ref64(a, b, offs)[:12], torch.float32)
-    # Offsets past M are clamped to M: rows past the end of mat_a are never read.
-    tgg.grouped_mm(a, b, torch.tensor([5, 30, 30], dtype=torch.int32, device=DEV))
+    # Offsets past M: refused where checked, else clamped to M (rows past mat_a are never read).
+    past = torch.tensor([5, 30, 30], dtype=torch.int32, device=DEV)
+    refused_past_rows_or_clamped(lambda: tgg.grouped_mm(a, b, past), ref_rows(a, b, past))
 
 
 def test_dispatcher_routes_and_auto_rules(rng_seed):
@@ -315,12 +326,15 @@ def test_row_split_non_contiguous_out_and_accumulate():
 
 
 def test_row_split_offs_past_M_with_a_index():
-    a = torch.randn(10, 8)
-    b = torch.randn(3, 8, 16)
+    """With a_index the rows are len(a_index) = 7 (mat_a has 10): offs[-1] = 7 runs, 8 and 100 do not."""
+    a = torch.randn(10, 8, device=DEV)
+    b = torch.randn(3, 8, 16, device=DEV)
     idx = torch.tensor([9, 9, 0, 3, 3, 3, 7], device=DEV)
-    offs = torch.tensor([2, 5, 100], dtype=torch.int32, device=DEV)  # clamped to M=7
-    out = tgg.grouped_mm(a, b, offs, a_index=idx)
-    close(out, ref_rows(a, b, offs, a_index=idx), torch.float32)
+    offs = torch.tensor([2, 5, 7], dtype=torch.int32, device=DEV)
+    close(tgg.grouped_mm(a, b, offs, a_index=idx), ref_rows(a, b, offs, a_index=idx), torch.float32)
+    for end in (8, 100):
+        past = torch.tensor([2, 5, end], dtype=torch.int32, device=DEV)
+        refused_past_rows_or_clamped(lambda: tgg.grouped_mm(a, b, past, a_index=idx), ref_rows(a, b, past, a_index=idx))
 
 
 def test_row_split_out_index_permutation_every_row_once():
@@ -402,9 +416,10 @@ def test_contraction_strided_and_offs_past_M(dtype):
     big = torch.randn(M, P + 5).to(dtype)
     a = big[:, 2:2 + P].t()  # transposed view with a larger row stride
     b = torch.randn(M, N + 3).to(dtype)[:, 1:1 + N]
-    offs = torch.tensor([0, 7, 7, 25, 40, 60], dtype=torch.int32, device=DEV)  # past M: clamped
-    out = tgg.grouped_mm(a, b, offs)
-    close(out, ref_contr(a, b, offs), dtype)
+    offs = torch.tensor([0, 7, 7, 25, 30, 30], dtype=torch.int32, device=DEV)  # ends at M, last group empty
+    close(tgg.grouped_mm(a, b, offs), ref_contr(a, b, offs), dtype)
+    past = torch.tensor([0, 7, 7, 25, 40, 60], dtype=torch.int32, device=DEV)
+    refused_past_rows_or_clamped(lambda: tgg.grouped_mm(a, b, past), ref_contr(a, b, past), dtype)
 
 
 def test_contraction_gather_repeats_and_accumulate_empty_groups():
@@ -733,3 +748,131 @@ def test_triton_refuses_decreasing_offsets_and_repeated_out_index():
     with pytest.raises(ValueError, match="out_index must not repeat a value.*got 6"):
         tgg.grouped_mm(a, b, torch.tensor([2, 5, 8], dtype=torch.int32, device=DEV), out_index=out_index,
                        out=torch.zeros(8, 16, device=DEV))
+
+
+# --- offsets past the rows they split, and index values out of range, are refused -------------------
+# Checked for CPU tensors always, on CUDA under anomaly mode (lrmoe.kernels.checks): `checked()`.
+
+def checked():
+    import contextlib
+
+    return torch.autograd.set_detect_anomaly(True) if DEV.type == "cuda" else contextlib.nullcontext()
+
+
+def rint(lo, hi):
+    return int(torch.randint(lo, hi, ()))
+
+
+def random_offs(M, G):
+    """Random valid offsets of M rows into G groups (an empty group when G > 2), on DEV."""
+    return offsets(group_sizes(M, G, "random"))
+
+
+def test_triton_refuses_offsets_past_the_rows(rng_seed):
+    """The kernels clamp offsets to the logical row count, so offs[-1] past it silently computed
+    fewer rows than asked. Row split (plain and gathered: the bound is len(a_index) even where
+    mat_a has more rows) and contraction split (plain and gathered)."""
+    M, G, K, N, P = rint(3, 9), rint(1, 4), 8, 8, 4
+    b = rand(G, K, N, dtype=torch.float32)
+    src = rand(M + 5, K, dtype=torch.float32)
+    a_index = torch.randint(0, M + 5, (M,), device=DEV)
+    for split, call in [
+        ("rows", lambda offs: tgg.grouped_mm(src[:M], b, offs)),
+        ("rows", lambda offs: tgg.grouped_mm(src, b, offs, a_index=a_index)),
+        ("contraction length", lambda offs: tgg.grouped_mm(rand(P, M, dtype=torch.float32), src[:M], offs)),
+        ("contraction length", lambda offs: tgg.grouped_mm(rand(P, M + 5, dtype=torch.float32), src, offs,
+                                                           a_index=a_index, b_index=a_index)),
+    ]:
+        offs = random_offs(M, G)
+        offs[-1] = end = M + rint(1, 4)
+        with checked(), pytest.raises(ValueError, match=rf"offs\[-1\] = {end} is past the .*{M}.*at most {M}"):
+            call(offs)
+
+
+BAD_INDEX_SCRIPT = r"""
+import os, sys; os.environ['TRITON_INTERPRET'] = '1'
+import torch
+from lrmoe.kernels import triton_grouped_gemm as tgg
+torch.manual_seed(int(sys.argv[1]))
+r = lambda lo, hi: int(torch.randint(lo, hi, ()))
+M, G, K, N, P = r(2, 8), r(1, 4), 8, 8, 4
+offs = torch.cat([torch.sort(torch.randint(0, M + 1, (G - 1,))).values, torch.tensor([M])]).to(torch.int32)
+def bad(n, kind):
+    return -r(1, n + 2) if kind == 'negative' else n
+for kind in ('negative', 'rows'):
+    for case in ('out_index new', 'out_index out', 'a_index rows', 'a_index columns', 'b_index'):
+        name = case.split()[0]
+        T = M + r(0, 4)
+        index = torch.randperm(T)[:M] if name == 'out_index' else torch.randint(0, T, (M,))
+        i = r(0, M)
+        if case == 'out_index new':
+            T, index = M, torch.randperm(M)
+        index[i] = v = bad(T, kind)
+        try:
+            if name == 'out_index':
+                out = torch.zeros(T, N) if case == 'out_index out' else None
+                tgg.grouped_mm(torch.randn(M, K), torch.randn(G, K, N), offs, out_index=index, out=out)
+            elif case == 'a_index rows':
+                tgg.grouped_mm(torch.randn(T, K), torch.randn(G, K, N), offs, a_index=index)
+            elif case == 'a_index columns':
+                tgg.grouped_mm(torch.randn(P, T), torch.randn(M, N), offs, a_index=index)
+            else:
+                tgg.grouped_mm(torch.randn(P, M), torch.randn(T, N), offs, b_index=index)
+            print(case, kind, 'NO ERROR', flush=True)
+        except ValueError as e:
+            want = f'{name}[{i}] = {v} is out of range'
+            ok = want in str(e) and f'0 <= {name} < {T}' in str(e)
+            print(case, kind, 'OK' if ok else f'WRONG MESSAGE {e}', flush=True)
+"""
+
+
+def test_triton_refuses_out_of_range_indices(rng_seed):
+    """out_index (with and without out=), a_index (row and contraction split) and b_index values that
+    are negative or equal to the rows they address: a ValueError naming the value and the range.
+    Unchecked, the kernels read or write outside the operands (the interpreter corrupted the heap:
+    munmap_chunk(): invalid pointer), so the calls run in a subprocess."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", BAD_INDEX_SCRIPT, str(rng_seed)], cwd=root, capture_output=True,
+                       text=True, timeout=300)
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and len(lines) == 10 and all(x.endswith(" OK") for x in lines), (
+        r.returncode, lines, r.stderr[-500:])
+
+
+@pytest.mark.parametrize("end", ["rows", "short"])
+def test_triton_in_range_edge_cases_still_pass(end, rng_seed):
+    """Empty groups (first and last among them), offs[-1] == rows or < rows, and index values at both
+    ends of their range run and match the float64 reference."""
+    G = rint(3, 6)
+    sizes = torch.randint(0, 3, (G,))
+    sizes[0] = sizes[-1] = 0
+    sizes[1] += 2
+    n = int(sizes.sum())
+    M = n if end == "rows" else n + rint(1, 4)
+    offs = offsets(sizes)
+    K, N, P = 8, 8, 4
+    a, b = rand(M, K, dtype=torch.float32), rand(G, K, N, dtype=torch.float32)
+    with checked():
+        close(tgg.grouped_mm(a, b, offs)[:n], ref_rows(a, b, offs)[:n], torch.float32)
+        T, R = rint(1, 5), M + rint(0, 3)
+        a_index = torch.randint(0, T, (M,), device=DEV)
+        a_index[0], a_index[-1] = T - 1, 0
+        out_index = torch.cat([torch.tensor([R - 1, 0]), torch.randperm(R - 2)[:M - 2] + 1])[torch.randperm(M)]
+        out_index = out_index[:M].to(DEV)
+        src = rand(T, K, dtype=torch.float32)
+        out = tgg.grouped_mm(src, b, offs, a_index=a_index, out_index=out_index,
+                             out=torch.zeros(R, N, device=DEV))
+        close(out[out_index[:n]], ref_rows(src, b, offs, a_index=a_index)[:n], torch.float32)
+        a, x = rand(P, M + 2, dtype=torch.float32), rand(T, N, dtype=torch.float32)
+        a_index = torch.randint(0, M + 2, (M,), device=DEV)
+        a_index[0], a_index[-1] = M + 1, 0
+        b_index = torch.randint(0, T, (M,), device=DEV)
+        b_index[0], b_index[-1] = 0, T - 1
+        close(tgg.grouped_mm(a, x, offs, a_index=a_index, b_index=b_index),
+              ref_contr(a, x, offs, a_index, b_index), torch.float32)
+        close(tgg.grouped_mm(a[:, :M], x[:1].expand(M, N), offs), ref_contr(a[:, :M], x[:1].expand(M, N), offs),
+              torch.float32)
