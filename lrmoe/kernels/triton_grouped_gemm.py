@@ -16,10 +16,11 @@ and un-permutation need no separate copy (ScatterMoE's idea: the gather happens 
   with ``out[g] = sum_{offs[g-1] <= i < offs[g]} mat_a[:, a_index[i]] (outer) mat_b[b_index[i]]``;
   empty groups give zeros (or leave ``out[g]`` unchanged with ``accumulate=True``).
 
-Offsets must be non-negative and non-decreasing and ``out_index`` must not repeat a value
-(checked for CPU tensors, and on CUDA under anomaly detection: :mod:`lrmoe.kernels.checks`);
-offsets are clamped to ``M`` inside the kernels, so rows past ``M`` are never read. Index values
-are not range-checked (an out-of-range index is an out-of-bounds access).
+Offsets must be non-negative, non-decreasing and at most the rows they split, index values must
+be in range and ``out_index`` must not repeat a value (checked for CPU tensors, and on CUDA only
+under anomaly detection: :mod:`lrmoe.kernels.checks`). On CUDA outside anomaly mode the offsets
+are clamped to ``M`` inside the kernels, so rows past ``M`` are never read, but an out-of-range
+index is an out-of-bounds access.
 fp32 / bf16 / fp16 operands, fp32 accumulation, output in the input dtype; fp32 uses IEEE fp32
 products unless ``torch.backends.cuda.matmul.allow_tf32`` is set. All address arithmetic is int64.
 
