@@ -3,8 +3,11 @@ of spawned worker processes, with a progress bar and one line per finished run.
 
 Stopping (Ctrl-C, or SIGTERM from a job scheduler): every run in training finishes its step,
 writes a checkpoint and stops; queued runs are not started; :func:`run_all` returns with
-``interrupted`` set, and the same call resumes every run later. SIGTERM is handled as Ctrl-C is
-(the parent forwards it to the workers as SIGINT). A worker that has not stopped after
+``interrupted`` set, and the same call resumes every run later. SIGTERM does so whatever the
+inherited disposition of SIGINT (a background job starts with SIGINT ignored, and keeps ignoring
+it): in this process it reaches the training loop's stop request directly
+(:func:`lrmoe.train.loop.request_stop`), and the parent forwards it to the workers as SIGTERM. A
+second SIGTERM stops at once, without a checkpoint. A worker that has not stopped after
 :data:`STOP_GRACE_S` is terminated (it then resumes from its last periodic checkpoint), so none
 keeps training orphaned. A run that fails is reported and the others go on."""
 from __future__ import annotations
@@ -18,7 +21,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lrmoe.train import TrainConfig
+from lrmoe.train import Interrupted, TrainConfig
+from lrmoe.train.loop import request_stop
 
 from .spec import RunSpec
 
@@ -100,7 +104,7 @@ def run_all(runs: list[RunSpec], out, jobs: int = 1, *, progress: bool = True, m
     specs = [(dataclasses.asdict(r), str(out / r.name)) for r in runs]
     try:
         if jobs == 1 or under_torchrun:
-            with _sigterm_as_sigint(enabled=not under_torchrun):  # (torchrun stops its ranks itself)
+            with _sigterm_stops_the_run(enabled=not under_torchrun):  # (torchrun stops its ranks itself)
                 for spec, d in specs:
                     try:
                         report(train_one(spec, d, progress and main))
@@ -124,10 +128,10 @@ def _run_pool(specs, jobs: int, report, failed) -> None:
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    def on_term(signum, frame):  # SIGTERM to this process: stop the workers as Ctrl-C would
-        for child in mp.active_children():
-            os.kill(child.pid, signal.SIGINT)
-        raise KeyboardInterrupt
+    def on_term(signum, frame):  # SIGTERM to this process: passed on to the workers as SIGTERM (not as
+        for child in mp.active_children():  # SIGINT, which they ignore when this process was started ignoring it)
+            os.kill(child.pid, signal.SIGTERM)
+        raise Interrupted(signum)
 
     prev_term = signal.signal(signal.SIGTERM, on_term) if threading.current_thread() is threading.main_thread() \
         else None
@@ -140,7 +144,7 @@ def _run_pool(specs, jobs: int, report, failed) -> None:
             except Exception as e:
                 failed(futs[f], e)
     except KeyboardInterrupt:
-        # The workers got SIGINT too (Ctrl-C reaches the process group; SIGTERM is forwarded
+        # The workers got the signal too (Ctrl-C reaches the process group; SIGTERM is forwarded
         # above): each finishes its step and writes a checkpoint. Queued runs are cancelled; a
         # worker that has not exited after the grace period is terminated.
         ex.shutdown(wait=False, cancel_futures=True)
@@ -157,13 +161,20 @@ def _run_pool(specs, jobs: int, report, failed) -> None:
 
 
 @contextmanager
-def _sigterm_as_sigint(enabled: bool = True):
-    """In this process (main thread only): SIGTERM raises SIGINT, so the run in training finishes
-    its step and checkpoints as it does on Ctrl-C."""
+def _sigterm_stops_the_run(enabled: bool = True):
+    """In this process (main thread only): SIGTERM asks the run in training to finish its step and
+    checkpoint, as Ctrl-C does but whatever SIGINT's disposition (it goes to the loop's stop request,
+    not through a SIGINT that may be ignored); between runs, or on a second SIGTERM, it stops at
+    once (:class:`Interrupted`)."""
     if not enabled or threading.current_thread() is not threading.main_thread():
         yield
         return
-    prev = signal.signal(signal.SIGTERM, lambda signum, frame: signal.raise_signal(signal.SIGINT))
+
+    def on_term(signum, frame):
+        if not request_stop(signum):
+            raise Interrupted(signum)
+
+    prev = signal.signal(signal.SIGTERM, on_term)
     try:
         yield
     finally:

@@ -66,7 +66,7 @@ from .runner import LocalRunner
 from .schedule import BatchStream, lr_factor
 from .timer import MoETimer
 
-__all__ = ["METRIC_KEYS", "Interrupted", "Trainer", "make_runner", "train"]
+__all__ = ["METRIC_KEYS", "Interrupted", "Trainer", "make_runner", "request_stop", "train"]
 
 
 class Interrupted(KeyboardInterrupt):
@@ -134,29 +134,56 @@ class _StopSignals:
     boundary, so a resumed run equals an uninterrupted one. A second signal of the same kind acts at
     once (the handler that was there before is back), without a checkpoint. A process that ignores
     SIGINT (started in the background, under nohup) keeps ignoring it; a SIGTERM handler installed by
-    the caller (e.g. a worker pool that turns SIGTERM into SIGINT) is left in place."""
+    the caller (e.g. a worker pool) is left in place, and passes the stop on with
+    :func:`request_stop`."""
+
+    active: "_StopSignals | None" = None  # the one of the run training in this process's main thread
 
     def __init__(self, enabled: bool, say):
         self.requested: list[int] = []
         self.say = say
         self._prev = {}
+        self._outer = None
+        self._on = False
         if not (enabled and threading.current_thread() is threading.main_thread()):
             return
+        self._outer, _StopSignals.active, self._on = _StopSignals.active, self, True
         if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
             self._prev[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_signal)
         if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
             self._prev[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_signal)
 
     def _on_signal(self, signum, frame):
-        self.requested.append(signum)
         signal.signal(signum, self._prev[signum])
+        self.request(signum)
+
+    def request(self, signum: int) -> bool:
+        """Stop at the next step boundary, as on signal ``signum``; False (nothing done) when that
+        signal asked already."""
+        if signum in self.requested:
+            return False
+        self.requested.append(signum)
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         self.say(f"{name}: finishing this step, then writing a checkpoint ({name} again to stop at once)")
+        return True
 
     def restore(self):
         for signum, prev in self._prev.items():
             signal.signal(signum, prev)
         self._prev = {}
+        if self._on and _StopSignals.active is self:
+            _StopSignals.active = self._outer
+        self._on = False
+
+
+def request_stop(signum: int) -> bool:
+    """For a signal handler the caller installed (main thread): ask the run training in this process
+    to finish its step, checkpoint and raise :class:`Interrupted` (``signum``), as the signal
+    itself would without that handler, whatever SIGINT's disposition. Returns False, doing
+    nothing, when no run trains here (between runs, under torchrun) or ``signum`` asked already:
+    the caller then stops at once (e.g. ``raise Interrupted(signum)``)."""
+    stops = _StopSignals.active
+    return stops is not None and stops.request(signum)
 
 
 class _Routing:

@@ -1,7 +1,9 @@
 """Stopping `lrmoe reproduce` (a job scheduler's SIGTERM to the parent): every run in training
 finishes its step, writes a checkpoint and exits; none keeps training orphaned, queued runs do
-not start, and the parent exits 130 with a resume hint. Asserted on the events (exit status,
-checkpoint step, processes left), with only an outer timeout against hangs."""
+not start, and the parent exits 130 with a resume hint. The same when the driver starts with
+SIGINT ignored (a background job of a non-interactive shell, some schedulers), where a SIGINT
+changes nothing. Asserted on the events (exit status, checkpoint step, processes left), with only
+outer timeouts against hangs."""
 import json
 import os
 import signal
@@ -19,7 +21,12 @@ TINY = shared_data_dir() / "alpaca" / "alpaca_tiny.json"
 
 DRIVER = textwrap.dedent("""
     import dataclasses, sys
+    import lrmoe.runs.pool
     from lrmoe.reproduce import PRESETS, reproduce
+
+    # Only the signal the parent forwards may stop a worker: none is terminated after a grace
+    # period (that SIGTERM would also let it checkpoint, and hide a forwarded signal it ignores).
+    lrmoe.runs.pool.STOP_GRACE_S = 10**6
 
     smoke = PRESETS["smoke"]
     base = dict(smoke.base, steps=100_000, checkpoint_interval=100_000, eval_interval=0)
@@ -29,6 +36,8 @@ DRIVER = textwrap.dedent("""
     sys.exit(reproduce(p, sys.argv[1], jobs=jobs, figures=False, progress=False))
 """)
 RUNS = ("qwen3-C00-s0", "qwen3-C10-lrm-s0")
+STOP_TIMEOUT_S = 300  # against hangs only: one step and a checkpoint take far less
+SIGINT_AS = pytest.mark.parametrize("sigint", [signal.SIG_DFL, signal.SIG_IGN], ids=["sigint-default", "sigint-ignored"])
 
 pytestmark = [pytest.mark.skipif(not TINY.exists(), reason=f"offline Alpaca sample not found at {TINY}"),
               pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals and process groups"),
@@ -42,28 +51,41 @@ def _rows(path):
         return 0
 
 
-def _sigterm_once_training(tmp_path, jobs: int, training: list[str]):
-    """Start the driver in its own process group, wait until every run of ``training`` has logged 3
-    steps, SIGTERM the parent only (as a scheduler would); returns (exit status, log, processes of
-    the group still running other than multiprocessing's resource tracker, results folder)."""
+def _sigterm_once_training(tmp_path, jobs: int, training: list[str], sigint=signal.SIG_DFL):
+    """Start the driver in its own process group with SIGINT set to ``sigint`` (SIG_IGN: as a
+    background job inherits it), wait until every run of ``training`` has logged 3 steps, SIGTERM
+    the parent only (as a scheduler would); returns (exit status, log, processes of the group still
+    running other than multiprocessing's resource tracker, results folder).
+
+    With SIGINT ignored, a SIGINT to the whole group (what Ctrl-C sends) comes first: every run
+    goes on training (2 more steps each) and the driver keeps running."""
     out = tmp_path / "out"
     env = dict(os.environ, LRMOE_CACHE=str(tmp_path / "cache"), HF_HOME=str(tmp_path / "hf"))
     env.pop("LRMOE_ALPACA", None)
 
-    def child_setup():  # its own process group, SIGINT not inherited as ignored (pytest may run in the background)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    def child_setup():  # its own process group; SIGINT as asked, not as pytest inherited it
+        signal.signal(signal.SIGINT, sigint)
         os.setsid()
+
+    def wait_rows(n):
+        while not all(_rows(out / r / "metrics.jsonl") >= n for r in training):
+            assert proc.poll() is None, log_path.read_text()
+            time.sleep(0.2)
 
     log_path = tmp_path / "reproduce.log"
     with open(log_path, "w") as log_fh:  # a file, not a pipe: orphaned workers must not block the read
         proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(out), str(jobs)], env=env,
                                 preexec_fn=child_setup, stdout=log_fh, stderr=subprocess.STDOUT)
     try:
-        while not all(_rows(out / r / "metrics.jsonl") >= 3 for r in training):
-            assert proc.poll() is None, log_path.read_text()
-            time.sleep(0.2)
+        wait_rows(3)
+        if sigint == signal.SIG_IGN:
+            os.killpg(proc.pid, signal.SIGINT)
+            wait_rows(max(_rows(out / r / "metrics.jsonl") for r in training) + 2)
         os.kill(proc.pid, signal.SIGTERM)
-        rc = proc.wait()
+        try:
+            rc = proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running {STOP_TIMEOUT_S}s after SIGTERM:\n{log_path.read_text()[-3000:]}")
         ps = subprocess.run(["ps", "-o", "pid=,args=", "-g", str(proc.pid)], capture_output=True, text=True).stdout
         # A process whose command line ps shows in brackets ("[python]", "[python] <defunct>") has
         # already released its memory on its way out: it runs no more Python code.
@@ -84,8 +106,11 @@ def _assert_checkpointed_at_its_step(run_dir):
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "running"
 
 
-def test_sigterm_lets_parallel_workers_checkpoint_and_exit(tmp_path):
-    rc, log, left, out = _sigterm_once_training(tmp_path, jobs=2, training=list(RUNS))
+@SIGINT_AS
+def test_sigterm_lets_parallel_workers_checkpoint_and_exit(tmp_path, sigint):
+    """With SIGINT ignored, the workers inherit the ignore: the parent used to forward SIGTERM to
+    them as SIGINT, which they ignored; they trained on until the grace period ended."""
+    rc, log, left, out = _sigterm_once_training(tmp_path, jobs=2, training=list(RUNS), sigint=sigint)
     assert rc == 130, log
     assert "interrupted; rerun the same command to resume" in log
     assert not left, "processes left in the group:\n" + "\n".join(left)
@@ -93,10 +118,12 @@ def test_sigterm_lets_parallel_workers_checkpoint_and_exit(tmp_path):
         _assert_checkpointed_at_its_step(out / r)
 
 
-def test_sigterm_to_one_job_checkpoints_the_run_and_starts_no_other(tmp_path):
+@SIGINT_AS
+def test_sigterm_to_one_job_checkpoints_the_run_and_starts_no_other(tmp_path, sigint):
     """With --jobs 1 the run trains in the parent itself: SIGTERM used to kill it at once (status
-    -15, no checkpoint, its steps since the last periodic checkpoint lost)."""
-    rc, log, left, out = _sigterm_once_training(tmp_path, jobs=1, training=[RUNS[0]])
+    -15, no checkpoint, its steps since the last periodic checkpoint lost); later, with SIGINT
+    ignored, it did nothing at all (it was turned into a SIGINT, which the training loop ignores)."""
+    rc, log, left, out = _sigterm_once_training(tmp_path, jobs=1, training=[RUNS[0]], sigint=sigint)
     assert rc == 130, log
     assert "interrupted; rerun the same command to resume" in log
     assert not left, "processes left in the group:\n" + "\n".join(left)

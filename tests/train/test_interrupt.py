@@ -86,6 +86,37 @@ def test_an_ignored_sigint_stays_ignored(data_path, tmp_path, monkeypatch, sigin
     assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
 
+@pytest.mark.parametrize("sigint_handler", [signal.SIG_IGN], indirect=True)
+def test_a_callers_sigterm_handler_passes_the_stop_on(data_path, tmp_path, monkeypatch, sigint_handler):
+    """A SIGTERM handler of the caller's (the run pool's) stays in place; through request_stop the
+    signal stops the run at its step with a checkpoint, SIGINT being ignored. With no run training
+    request_stop does nothing (False: the caller stops at once)."""
+    from lrmoe.train.loop import Interrupted, request_stop
+
+    asked = []
+
+    def on_term(signum, frame):
+        asked.append(request_stop(signum))
+        if not asked[-1]:
+            raise Interrupted(signum)
+
+    c = cfg(data_path, steps=5, warmup_steps=1, eval_batches=None)
+    prev = signal.signal(signal.SIGTERM, on_term)
+    try:
+        assert request_stop(signal.SIGTERM) is False
+        with monkeypatch.context() as mp:  # backward_records: once per step here; call 2 = step 2
+            _on_call(mp, hf, "backward_records", 2, lambda: os.kill(os.getpid(), signal.SIGTERM))
+            with pytest.raises(Interrupted) as e:
+                train(c, tmp_path / "run", progress=False)
+        assert signal.getsignal(signal.SIGTERM) is on_term and request_stop(signal.SIGTERM) is False
+    finally:
+        signal.signal(signal.SIGTERM, prev)
+    assert e.value.signum == signal.SIGTERM and e.value.exit_code == 143 and asked == [True]
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
+    assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["step"] == 2
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
 def test_ctrl_c_during_evaluation_keeps_every_metrics_row(data_path, tmp_path, monkeypatch, sigint_handler):
     """Ctrl-C during the evaluation of step 2: the step (with its eval) completes, its row is
     written, the checkpoint is at step 2, and the resumed file has one row per step."""
@@ -112,10 +143,12 @@ def _metrics_lines(path) -> int:
         return 0
 
 
-def test_sigterm_checkpoints_at_the_step_and_the_rerun_keeps_every_row(data_path, tmp_path):
+@pytest.mark.parametrize("sigint", [signal.SIG_DFL, signal.SIG_IGN], ids=["sigint-default", "sigint-ignored"])
+def test_sigterm_checkpoints_at_the_step_and_the_rerun_keeps_every_row(data_path, tmp_path, sigint):
     """SIGTERM (what SLURM and Kubernetes send) to `lrmoe train`: the step in flight finishes, a
     checkpoint of it is written, the exit status is 143 with a resume hint; the rerun continues from
-    that step with every row of the first attempt kept."""
+    that step with every row of the first attempt kept. The same when the process starts with
+    SIGINT ignored (a background job of a non-interactive shell, some schedulers)."""
     import json
     import subprocess
     import sys
@@ -129,13 +162,21 @@ def test_sigterm_checkpoints_at_the_step_and_the_rerun_keeps_every_row(data_path
            "bpe:300", "--seq-len", "64", "--micro-batch", "2", "--steps", "500", "--warmup-steps", "1",
            "--threads", "1", "--eval-batches", "1", "--no-progress"]
     env = dict(os.environ, PYTHONPATH=str(root))
-    p = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        for _ in range(3000):  # wait for two rows (a guard against a hang, not a timed assert)
-            if _metrics_lines(out / "metrics.jsonl") >= 2 or p.poll() is not None:
+    p = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))  # not as pytest inherited it
+
+    def wait_rows(n):
+        for _ in range(3000):  # (a guard against a hang, not a timed assert)
+            if _metrics_lines(out / "metrics.jsonl") >= n or p.poll() is not None:
                 break
             time.sleep(0.1)
         assert p.poll() is None, p.communicate()[1][-3000:]
+
+    try:
+        wait_rows(2)
+        if sigint == signal.SIG_IGN:  # an ignored SIGINT changes nothing: two more steps, still running
+            p.send_signal(signal.SIGINT)
+            wait_rows(_metrics_lines(out / "metrics.jsonl") + 2)
         p.send_signal(signal.SIGTERM)
         _, err = p.communicate(timeout=300)
     finally:
