@@ -1,0 +1,344 @@
+"""[Reference: ``lrmoe/planning/lrmoe_plan.py`` as of revision 2cf58af, frozen; see :mod:`lrmoe.planning.reference`.]
+
+LRMoE's joint quota + placement planner ("lrmoe"), run before the expert forward.
+
+Given this step's exact demand d_{r,e}, the planner decides together
+
+* the backward retention quota q_e of every expert (``lrmoe.planning.quota.compute_quota``; the total
+  n_keep <= round((1 - drop_ratio) * P) is bisected down until the plan fits the memory budget), and
+* the replicas and the routing of every expert's pairs to its instances.
+
+What it optimises. With B = ``backward_weight`` (2: a backward row costs two GEMMs of the
+forward's size) the work of rank r is
+
+    cost_r = F_r + B * K_r,  F_r = forward rows its instances compute, K_r = kept backward rows,
+
+and the planner minimises the slowest rank's cost, max_r cost_r, over replica placements that
+
+* use at most ``replica_slots`` replica slots per rank, at most one copy of an expert per rank,
+  replicas only inside the owner's fast domain, no replica with fewer than ``min_rows`` rows;
+* keep every rank's (estimated) memory within the budget when a replica is added.
+
+Within an expert every instance keeps the same fraction q_e / d_e of its rows (rounded to
+integers so that no rank exceeds the threshold below when some rounding allows it, see
+:func:`_instance_quotas`), so the per-instance selection by score matches the expert's selection as closely as
+possible, and a row of expert e costs w_e = 1 + B * q_e / d_e wherever it runs. The retained
+demand therefore drives replication: a hot expert whose quota was trimmed (waterfill trims the
+hottest first) weighs less and may no longer need a replica. The search is UltraEP-style: the
+smallest integer threshold tau for which a greedy (ranks by descending cost, their experts by
+descending weighted load, each chunk to the in-domain rank with the most slack that has a free
+slot and memory headroom; a replica carries at least ``min_rows`` rows) brings every rank to
+cost <= tau; the slack left is then used to move rows off ranks still over the memory budget. If
+the plan is still over the budget, tau is raised to the smallest threshold whose plan fits (more
+slack, more rows moved off those ranks) before any quota shrinks. Pairs are routed locality-first
+(:func:`lrmoe.planning.reference.routing.locality_split`), each instance receiving exactly its row capacity;
+backward quotas per (source, instance) are proportional to the pairs sent.
+
+Under memory pressure quotas shrink (``fallback == "shrink_quota"``, bisection on n_keep down to
+``max_drop_ratio``), the forward stays complete; only when even that does not fit is the
+microbatch split (``split_microbatch:N``) or, with ``fallback="oom"``, an out-of-memory reported.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from lrmoe.planning.memory import instance_bytes, token_row_bytes
+from lrmoe.planning.plan import Cluster, ModelDims, make_plan
+from lrmoe.planning.quota import check_drop_ratio, compute_quota, quota_for, retained_total
+
+from .routing import largest_remainder, locality_split, owned_layout, replica_instances, resolve_budget
+
+_EPS = 1e-9
+
+
+def _quota(d_E: np.ndarray, n_keep: int, policy: str, options: dict, drop_ratio: float) -> np.ndarray:
+    """Quotas summing exactly to n_keep from the planner quota policy (the numpy twin of the layer's).
+
+    At the policy's own n_keep the drop ratio is passed on, so the quotas equal the layer's."""
+    P = int(d_E.sum())
+    if n_keep >= P:
+        return d_E.copy()
+    exact = n_keep == retained_total(P, drop_ratio)
+    return quota_for(d_E, n_keep, policy, drop_ratio=drop_ratio if exact else None, **options)
+
+
+def _greedy(tau, cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, domain_G, rep_bytes, budget,
+            min_rows):
+    """Replicas (expert, rank, rows) that bring every rank to cost <= tau, or None.
+
+    Pass 1 sheds every rank's cost excess (ranks by descending cost, their experts by descending
+    weighted load); pass 2 then uses the slack left to shed memory from ranks still over the
+    budget (best effort). A receiver never goes over tau nor over the budget."""
+    cost_G = cost_G.astype(np.float64)
+    excess = np.maximum(cost_G - tau, 0.0)
+    slack = np.maximum(tau - cost_G, 0.0)
+    if excess.sum() > slack.sum() + _EPS:
+        return None
+    mem = mem_G.astype(np.float64)
+    free = free_G.copy()
+    hosts = [{int(r)} for r in owner_E]
+    moved = np.zeros_like(d_E)
+    replicas = []
+
+    def shed(r, need):
+        """Move rows off rank r until its cost excess ``need`` is gone (and, in pass 2, its memory
+        is within budget); returns the cost excess left."""
+        mine = np.flatnonzero(owner_E == r)
+        for e in mine[np.argsort(-L_E[mine], kind="stable")]:
+            w, rb = w_E[e], row_bytes_E[e]
+            while (need > _EPS or mem[r] > budget) and d_E[e] - moved[e] > 0:
+                ok = (free > 0) & (domain_G == domain_G[r]) & (slack >= w - _EPS) & (mem + rep_bytes + rb <= budget)
+                ok[list(hosts[e])] = False
+                if not ok.any():
+                    break
+                t = int(np.argmax(np.where(ok, slack, -1.0)))
+                want = max(math.ceil(need / w - _EPS), math.ceil((mem[r] - budget) / rb) if mem[r] > budget else 0)
+                # A replica carries at least min_rows (it may shed more than needed, never past tau):
+                # capping it at the need instead would fail at a larger tau where a smaller one
+                # succeeded, and the threshold search would miss far smaller thresholds.
+                x = min(max(want, min_rows), math.floor(slack[t] / w + _EPS), int(d_E[e] - moved[e]))
+                if math.isfinite(budget):
+                    x = min(x, math.floor((budget - mem[t] - rep_bytes) / rb))
+                if x < min_rows:
+                    break
+                replicas.append((int(e), t, x))
+                slack[t] -= x * w
+                need -= x * w
+                free[t] -= 1
+                mem[t] += rep_bytes + x * rb
+                mem[r] -= x * rb
+                moved[e] += x
+                hosts[e].add(t)
+            if need <= _EPS and mem[r] <= budget:
+                break
+        return need
+
+    order = np.argsort(-cost_G, kind="stable")
+    for r in order:
+        if excess[r] > _EPS and shed(r, excess[r]) > _EPS:
+            return None
+    for r in order:
+        if mem[r] > budget:
+            shed(r, 0.0)
+    return replicas
+
+
+def _instance_quotas(q_E, rows_E, ranks_E, G: int, backward_weight: float, tau: float) -> list[np.ndarray]:
+    """Kept rows of every instance: q_e split over e's instances in proportion to their rows, each
+    within 1 of its exact share q_e * rows_n / d_e (every instance keeps the floor of its share,
+    the leftover units of an expert go one each to instances with a fractional share).
+
+    The planner's threshold ``tau`` is met by the exact shares; rounding them can push a rank
+    over it. The rounding is largest remainder when that keeps every rank's executed cost
+    F_r + B K_r within tau; otherwise the one with the smallest executed maximum, hence within
+    tau whenever any rounding is. Which rounding meets a
+    cost target is a bipartite feasibility problem (leftover units of each expert -> ranks, at
+    most one per instance, at most cap_r = floor((target - base_r) / B) per rank), solved
+    exactly by an integral max flow (``scipy.sparse.csgraph.maximum_flow``). Deterministic."""
+    from scipy.sparse import csr_matrix
+    from scipy.sparse.csgraph import maximum_flow
+
+    E = len(rows_E)
+    ranks_E = [np.asarray(r, dtype=np.int64) for r in ranks_E]
+
+    def per_rank(values_E) -> np.ndarray:  # sum of per-instance values on every rank
+        out = np.zeros(G)
+        for e in range(E):
+            np.add.at(out, ranks_E[e], values_E[e])
+        return out
+
+    rows_E = [np.asarray(r, dtype=np.int64) for r in rows_E]
+    d_E = [int(r.sum()) for r in rows_E]
+    floors = [r * int(q_E[e]) // d_E[e] if d_E[e] else np.zeros_like(r) for e, r in enumerate(rows_E)]
+    fractional = [r * int(q_E[e]) % d_E[e] != 0 if d_E[e] else np.zeros(len(r), dtype=bool)
+                  for e, r in enumerate(rows_E)]
+    exact = [largest_remainder(int(q_E[e]), rows_E[e]) if d_E[e] else floors[e] for e in range(E)]
+    units_E = np.array([int(q_E[e]) - int(floors[e].sum()) for e in range(E)])
+    F_G = per_rank(rows_E)
+    if backward_weight <= 0 or units_E.sum() == 0 or (F_G + backward_weight * per_rank(exact)).max(initial=0.0) \
+            <= tau + _EPS:
+        return exact
+    base_G = F_G + backward_weight * per_rank(floors)
+    cand_G = per_rank(fractional).astype(np.int64)  # instances on each rank that may take one more unit
+    experts = [e for e in range(E) if units_E[e] > 0]
+    # nodes: 0 source, 1..len(experts) experts, then G ranks, then the sink
+    src, sink = 0, len(experts) + G + 1
+    edges = [(src, 1 + i, int(units_E[e])) for i, e in enumerate(experts)]
+    edges += [(1 + i, 1 + len(experts) + int(r), 1) for i, e in enumerate(experts)
+              for r, frac in zip(ranks_E[e], fractional[e]) if frac]
+
+    def flow_at(target):
+        caps = np.minimum(np.floor((target - base_G) / backward_weight + _EPS), cand_G).clip(0).astype(np.int64)
+        all_edges = edges + [(1 + len(experts) + r, sink, int(caps[r])) for r in range(G)]
+        u, v, c = (np.array(x, dtype=np.int32) for x in zip(*all_edges))
+        graph = csr_matrix((c, (u, v)), shape=(sink + 1, sink + 1))
+        res = maximum_flow(graph, src, sink)
+        return res if res.flow_value == int(units_E.sum()) else None
+
+    # The executed maximum is one of the values base_r + B k: binary search for the smallest one
+    # that admits a flow (the largest always does: every rank uncapped).
+    targets = sorted({float(b + backward_weight * k) for b, n in zip(base_G, cand_G) for k in range(int(n) + 1)})
+    targets = [t for t in targets if t >= base_G.max() - _EPS]
+    lo, hi = 0, len(targets) - 1
+    best = flow_at(targets[hi])
+    while lo < hi:
+        mid = (lo + hi) // 2
+        res = flow_at(targets[mid])
+        lo, hi, best = (lo, mid, res) if res is not None else (mid + 1, hi, best)
+    flow = best.flow.tocsr()
+    out = []
+    i_of = {e: i for i, e in enumerate(experts)}
+    for e in range(E):
+        parts = floors[e].copy()
+        if e in i_of:
+            for j, r in enumerate(ranks_E[e]):
+                parts[j] += int(flow[1 + i_of[e], 1 + len(experts) + int(r)])
+        out.append(parts)
+    return out
+
+
+def _plan_with_quota(d_GE, q_E, cluster: Cluster, dims: ModelDims, budget, *, free_G, owner_E, backward_weight,
+                     min_rows, info):
+    G, E = d_GE.shape
+    d_E = d_GE.sum(0)
+    frac_E = np.divide(q_E, d_E, out=np.zeros(E), where=d_E > 0)
+    w_E = np.where(d_E > 0, 1.0 + backward_weight * frac_E, 0.0)
+    L_E = d_E + backward_weight * q_E
+    row = token_row_bytes(dims)
+    row_bytes_E = row["saved"] + frac_E * row["backward"]  # expert-side bytes per forward row
+    base_G = np.bincount(owner_E, minlength=G) * instance_bytes(dims, replica=False)
+    # Exactly rounded sums (not a BLAS matmul, whose summation order can depend on the CPU):
+    # every rank must compute the same plan.
+    kept_sent_G = np.array([math.fsum(r) for r in d_GE * frac_E]) if G else np.zeros(0)
+    mem_G = (base_G + row["dispatch"] * (d_GE.sum(1) + kept_sent_G) + row["output"] * d_GE.sum(1)
+             + np.bincount(owner_E, weights=d_E * row_bytes_E, minlength=G))
+    cost_G = np.bincount(owner_E, weights=L_E, minlength=G)
+    args = (cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, cluster.domain_G,
+            instance_bytes(dims, replica=True), budget, min_rows)
+    top = math.ceil(cost_G.max(initial=0.0))
+    memo: dict[int, list | None] = {}
+
+    def greedy(tau):
+        if tau not in memo:
+            memo[tau] = _greedy(tau, *args)
+        return memo[tau]
+
+    lo, hi = math.floor(cost_G.sum() / G), top
+    while lo < hi:  # smallest integer threshold the greedy meets (top always: no replica needed)
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if greedy(mid) is not None else (mid + 1, hi)
+    info = {**info, "threshold_cost": hi}
+    plan = _assemble(d_GE, q_E, greedy(hi), hi, cluster, dims, budget, backward_weight, info)
+    if plan.fits or not math.isfinite(budget):
+        return plan
+
+    # Over the memory budget at the cost-optimal threshold: a higher threshold leaves more slack
+    # to move rows off the ranks over the budget (pass 2 of the greedy). Smallest fitting
+    # threshold above it: doubling steps, then bisection (every plan taken fits). The largest
+    # threshold is tried first, so quotas that cannot fit at all cost one extra plan only.
+    def fitting(tau):
+        reps = greedy(tau)
+        p = None if reps is None else _assemble(d_GE, q_E, reps, tau, cluster, dims, budget, backward_weight, info)
+        return p if p is not None and p.fits else None
+
+    if hi == top or fitting(top) is None:
+        return plan
+    bad, step, found = hi, 1, None
+    while bad < top and found is None:
+        tau = min(bad + step, top)
+        found = fitting(tau)
+        if found is None:
+            bad, step = tau, 2 * step
+    if found is None:
+        return plan
+    good = found.info["threshold"]
+    while good - bad > 1:
+        mid = (bad + good) // 2
+        p = fitting(mid)
+        bad, good, found = (bad, mid, p) if p is not None else (mid, good, found)
+    return found
+
+
+def _assemble(d_GE, q_E, replicas, tau, cluster: Cluster, dims: ModelDims, budget, backward_weight, info):
+    """The plan of the greedy's replicas at threshold ``tau``: instances, locality-first routing and
+    per-(source, instance) backward quotas."""
+    G, E = d_GE.shape
+    d_E = d_GE.sum(0)
+    hosts_E = [[] for _ in range(E)]
+    rows_E = [[int(d)] for d in d_E]
+    for e, t, x in replicas:
+        hosts_E[e].append(t)
+        rows_E[e].append(x)
+        rows_E[e][0] -= x
+    instances, cols_E = replica_instances(cluster, dims, hosts_E, "lrmoe")
+    rank_N = np.array([i.rank for i in instances])
+    send = np.zeros((G, len(instances)), dtype=np.int64)
+    quota = np.zeros_like(send)
+    kept_E = _instance_quotas(q_E, rows_E, [rank_N[cols] for cols in cols_E], G, backward_weight, tau)
+    for e, cols in enumerate(cols_E):
+        send[:, cols] = locality_split(d_GE[:, e], rank_N[cols], rows_E[e])
+        for n, b in zip(cols, kept_E[e]):
+            quota[:, n] = largest_remainder(int(b), send[:, n])
+    info = {**info, "threshold": tau, "quota_E": q_E, "n_keep": int(q_E.sum()), "backward_weight": backward_weight,
+            "drop_ratio_effective": 1.0 - int(q_E.sum()) / max(int(d_E.sum()), 1)}
+    return make_plan("lrmoe", d_GE, cluster, dims, budget, instances, send, quota, info=info)
+
+
+def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio: float = 0.0,
+               quota_policy: str = "waterfill", quota_options: dict | None = None, replica_slots: int | None = None,
+               backward_weight: float = 2.0, min_rows: int = 1, max_drop_ratio: float = 0.9,
+               fallback: str = "split", max_split: int = 256):
+    """LRMoE joint planner (module docstring).
+
+    drop_ratio: requested backward drop ratio rho (kept pairs = round((1 - rho) P)).
+    quota_policy / quota_options: a registered ``lrmoe.planning.quota`` policy and its keyword options.
+    replica_slots: replica slots per rank (default and maximum S - E/G).
+    backward_weight: cost of a kept backward row in forward rows (2.0).
+    min_rows: smallest replica worth its weight transfer, in rows (1).
+    max_drop_ratio: how far quotas may shrink under memory pressure (0.9).
+    fallback when even max_drop_ratio does not fit: ``split`` (default) or ``oom``."""
+    check_drop_ratio(drop_ratio)
+    check_drop_ratio(max_drop_ratio)
+    if max_drop_ratio < drop_ratio:
+        raise ValueError(f"max_drop_ratio ({max_drop_ratio}) must be >= drop_ratio ({drop_ratio})")
+    if fallback not in ("split", "oom"):
+        raise ValueError(f"lrmoe fallback must be 'split' or 'oom' (quotas shrink first), got {fallback!r}")
+    if not isinstance(backward_weight, (int, float)) or backward_weight < 0:
+        raise ValueError(f"backward_weight must be a number >= 0, got {backward_weight!r}")
+    if isinstance(min_rows, bool) or not isinstance(min_rows, (int, np.integer)) or min_rows < 1:
+        raise ValueError(f"min_rows must be an integer >= 1, got {min_rows!r}")
+    epr = owned_layout(cluster, dims, "lrmoe")
+    R_max = cluster.slots_per_rank - epr
+    R = R_max if replica_slots is None else replica_slots
+    if isinstance(R, bool) or not isinstance(R, (int, np.integer)) or not 0 <= R <= R_max:
+        raise ValueError(f"replica_slots must be an integer in [0, S - E/G = {R_max}], got {R!r}")
+    quota_options = dict(quota_options or {})
+    compute_quota(np.zeros(dims.num_experts, dtype=np.int64), drop_ratio, quota_policy, **quota_options)  # validates
+    kw = dict(free_G=np.full(cluster.num_ranks, R, dtype=np.int64), owner_E=np.arange(dims.num_experts) // epr,
+              backward_weight=float(backward_weight), min_rows=int(min_rows),
+              info={"drop_ratio": drop_ratio, "quota_policy": quota_policy})
+
+    def plan_keep(d_GE, n_keep):
+        q_E = _quota(d_GE.sum(0), n_keep, quota_policy, quota_options, drop_ratio)
+        return _plan_with_quota(d_GE, q_E, cluster, dims, budget_bytes, **kw)
+
+    def build(d_GE, row_cap):
+        P = int(d_GE.sum())
+        hi_keep = retained_total(P, drop_ratio)
+        plan = plan_keep(d_GE, hi_keep)
+        if plan.fits:
+            return plan
+        lo_keep = retained_total(P, max_drop_ratio)
+        best = plan_keep(d_GE, lo_keep)
+        if not best.fits:
+            return plan  # quotas alone cannot make it fit: resolve_budget splits or reports oom
+        while hi_keep - lo_keep > 1:  # lo_keep fits, hi_keep does not
+            mid = (lo_keep + hi_keep) // 2
+            p = plan_keep(d_GE, mid)
+            lo_keep, hi_keep, best = (mid, hi_keep, p) if p.fits else (lo_keep, mid, best)
+        return dataclasses.replace(best, over_budget=True, fallback="shrink_quota")
+
+    return resolve_budget(build, demand_GE, budget_bytes, fallback, max_split)

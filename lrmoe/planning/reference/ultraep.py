@@ -1,0 +1,223 @@
+"""[Reference: ``baselines/ultraep.py`` as of revision 2cf58af, frozen; see :mod:`lrmoe.planning.reference`.]
+
+UltraEP (arXiv 2606.04101): exact-load rebalancing with redundant expert slots.
+
+"ultraep": every rank keeps its fixed master experts (e on rank e // (E/G)) plus R redundant
+slots. On this step's exact load it binary-searches the smallest per-rank load threshold tau
+that its greedy quota solver (:func:`ultraep_feasible`) can meet, adds the replicas that solver
+chose, and splits each expert's pairs over its instances locality-first
+(:func:`lrmoe.planning.reference.routing.locality_split`). Replicas stay inside the master's fast domain,
+at most one copy of an expert per rank, and carry weights and gradients but no optimizer state.
+
+"ultraep_greedy": UltraEP's simpler EPLB-like fallback (:func:`eplb_replicas`).
+
+Every computed pair is kept in backward; nothing is dropped unless the ``drop`` budget fallback
+is chosen.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from lrmoe.planning.plan import make_plan
+
+from .routing import (cap_rows, largest_remainder, locality_split, owned_layout, replica_instances,
+                      resolve_budget)
+
+Replica = tuple[int, int, int]  # (expert, host rank, quota rows)
+
+
+def ultraep_feasible(tau: int, load_E, owner_E, free_G, domain_G, min_tokens: int = 1024,
+                     overshoot: bool = True) -> list[Replica] | None:
+    """UltraEP's quota solver at threshold ``tau``: the replicas it adds, or None if infeasible.
+
+        excess_r = max(rank_load[r] - tau, 0); slack_r = max(tau - rank_load[r], 0)
+        if sum(excess) > sum(slack): infeasible
+        for source rank r by descending load, for expert e on r by descending load:
+            available = d_e - 1 - exported_e                    # the master keeps >= 1 token
+            while need_r > 0 and available > 0:
+                t = rank with most slack (same fast domain) with a free slot, not hosting e
+                q = min(need_r, slack_t, available); stop if q < min_tokens
+                add a replica of e on t with quota q
+        if need_r > 0: infeasible
+    Ties go to the lower index (ranks, experts).
+
+    ``overshoot=True`` (default) reads the floor as "a replica carries at least min_tokens":
+    q = min(max(need_r, min_tokens), slack_t, available), so a rank less than min_tokens over
+    tau may shed min_tokens and end below tau. Taken literally (``overshoot=False``) the rule
+    makes the solver fail at a larger tau where it succeeded at a smaller one (the residual need
+    falls under the floor), and the binary search then misses far smaller thresholds; see
+    docs/placement.md."""
+    load_E = np.asarray(load_E, dtype=np.int64)
+    rank_load = np.bincount(owner_E, weights=load_E, minlength=len(free_G)).astype(np.int64)
+    excess = np.maximum(rank_load - tau, 0)
+    slack = np.maximum(tau - rank_load, 0)
+    if excess.sum() > slack.sum():
+        return None
+    free = np.array(free_G, dtype=np.int64)
+    hosts = [{int(r)} for r in owner_E]
+    replicas: list[Replica] = []
+    for r in np.argsort(-rank_load, kind="stable"):
+        need = int(excess[r])
+        if need == 0:
+            break
+        mine = np.flatnonzero(owner_E == r)
+        for e in mine[np.argsort(-load_E[mine], kind="stable")]:
+            available = int(load_E[e]) - 1
+            while need > 0 and available > 0:
+                ok = (free > 0) & (domain_G == domain_G[r])
+                ok[list(hosts[e])] = False
+                if not ok.any():
+                    break
+                t = int(np.argmax(np.where(ok, slack, -1)))
+                q = min(max(need, min_tokens) if overshoot else need, int(slack[t]), available)
+                if q < min_tokens:
+                    break
+                replicas.append((int(e), t, q))
+                slack[t] -= q
+                free[t] -= 1
+                hosts[e].add(t)
+                need -= q
+                available -= q
+            if need == 0:
+                break
+        if need > 0:
+            return None
+    return replicas
+
+
+def ultraep_threshold(load_E, owner_E, free_G, domain_G, min_tokens: int = 1024, fast_path: bool = True,
+                      overshoot: bool = True) -> tuple[int, list[Replica]]:
+    """Smallest feasible per-rank threshold tau in [ceil(mean rank load), max rank load] by binary
+    search (the max is always feasible: no replicas). UltraEP tries tau = ceil(1.01 * lo) first;
+    here that probe only narrows the search range. The result is feasible and tau - 1 is not;
+    it is the smallest feasible tau whenever the solver's feasibility is monotone in tau (always
+    observed with overshoot=True unless min_tokens is comparable to whole expert loads)."""
+    rank_load = np.bincount(owner_E, weights=np.asarray(load_E), minlength=len(free_G)).astype(np.int64)
+    lo, hi = math.ceil(rank_load.sum() / len(rank_load)), int(rank_load.max())
+    feasible = lambda tau: ultraep_feasible(tau, load_E, owner_E, free_G, domain_G, min_tokens, overshoot)  # noqa: E731
+    if fast_path and lo < hi:
+        probe = min(math.ceil(lo * 1.01), hi)
+        if feasible(probe) is not None:
+            hi = probe
+        else:
+            lo = probe + 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if feasible(mid) is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi, feasible(hi)
+
+
+def eplb_replicas(load_E, owner_E, free_G, domain_G) -> list[tuple[int, int]]:
+    """UltraEP's EPLB-like fallback (docs/placement.md): (expert, host rank) of every replica.
+
+    Repeatedly add a replica to the expert with the highest load / instances until the free
+    slots are used (an expert has at most one copy per rank of its domain, counts only against
+    its own fast domain's free slots, and zero-load experts get none); then place replicas largest
+    share first on the least-loaded rank (load = sum of the shares it hosts, masters included)
+    with a free slot in the domain that does not host it. A replica that fits nowhere is not added.
+
+    Counting against the domain's own slots keeps a full domain from taking the replicas another
+    domain could place (counted against the global total, they were dropped in placement while
+    the other domain's slots stayed free). It is a heuristic, as published: with masters pinned to
+    their owners a replica can land on a busier rank than its master's."""
+    load = np.asarray(load_E, dtype=np.float64)
+    G = len(free_G)
+    domain_G = np.asarray(domain_G)
+    dom_E = domain_G[owner_E]
+    domain_size = np.bincount(domain_G, minlength=G)[dom_E]
+    dom_free = np.bincount(domain_G, weights=np.asarray(free_G, dtype=np.float64), minlength=G).astype(np.int64)
+    n = np.ones(len(load), dtype=np.int64)
+    for _ in range(int(np.sum(free_G))):
+        share = np.where((n < domain_size) & (dom_free[dom_E] > 0), load / n, -1.0)
+        e = int(np.argmax(share))
+        if share[e] <= 0:
+            break
+        n[e] += 1
+        dom_free[dom_E[e]] -= 1
+    share = load / n
+    rank_load = np.bincount(owner_E, weights=share, minlength=G)
+    free = np.array(free_G, dtype=np.int64)
+    hosts = [{int(r)} for r in owner_E]
+    wanted = np.repeat(np.arange(len(load)), n - 1)
+    placed = []
+    for e in wanted[np.argsort(-share[wanted], kind="stable")]:
+        ok = (free > 0) & (domain_G == dom_E[e])
+        ok[list(hosts[e])] = False
+        if not ok.any():
+            continue
+        t = int(np.argmin(np.where(ok, rank_load, np.inf)))
+        placed.append((int(e), t))
+        rank_load[t] += share[e]
+        free[t] -= 1
+        hosts[e].add(t)
+    return placed
+
+
+def _replica_plan(policy, demand_GE, cluster, dims, budget_bytes, hosts_E, quotas_E, row_cap, info):
+    """Masters plus replicas on ``hosts_E``; each expert's pairs split locality-first by ``quotas_E``."""
+    instances, cols_E = replica_instances(cluster, dims, hosts_E, policy)
+    rank_N = np.array([i.rank for i in instances])
+    send = np.zeros((cluster.num_ranks, len(instances)), dtype=np.int64)
+    for e, cols in enumerate(cols_E):
+        send[:, cols] = locality_split(demand_GE[:, e], rank_N[cols], quotas_E[e])
+    if row_cap is not None:
+        send = cap_rows(send, row_cap)
+    return make_plan(policy, demand_GE, cluster, dims, budget_bytes, instances, send, info=info)
+
+
+def _check_common(cluster, dims, policy, redundant_slots):
+    epr = owned_layout(cluster, dims, policy)
+    R_max = cluster.slots_per_rank - epr
+    R = R_max if redundant_slots is None else redundant_slots
+    if isinstance(R, bool) or not isinstance(R, (int, np.integer)) or not 0 <= R <= R_max:
+        raise ValueError(f"{policy}: redundant_slots must be an integer in [0, S - E/G = {R_max}], got {R!r}")
+    return np.full(cluster.num_ranks, R, dtype=np.int64), np.arange(dims.num_experts) // epr
+
+
+def plan_ultraep(demand_GE, cluster, dims, budget_bytes, *, state=None, min_tokens: int = 1024,
+                 redundant_slots: int | None = None, fast_path: bool = True, overshoot: bool = True,
+                 fallback: str = "split", max_split: int = 256):
+    """UltraEP on the exact current load. min_tokens: smallest replica quota (UltraEP's default
+    1024); redundant_slots: R per rank (default S - E/G); fast_path: probe tau = 1.01 * lo first;
+    overshoot: how the min_tokens floor is read (:func:`ultraep_feasible`); fallback under budget
+    pressure: ``split`` (default), ``drop`` or ``oom``."""
+    if isinstance(min_tokens, bool) or not isinstance(min_tokens, (int, np.integer)) or min_tokens < 1:
+        raise ValueError(f"min_tokens must be an integer >= 1, got {min_tokens!r}")
+    free_G, owner_E = _check_common(cluster, dims, "ultraep", redundant_slots)
+    domain_G = cluster.domain_G
+
+    def build(d_GE, row_cap):
+        load_E = d_GE.sum(0)
+        tau, replicas = ultraep_threshold(load_E, owner_E, free_G, domain_G, min_tokens, fast_path, overshoot)
+        hosts_E = [[] for _ in load_E]
+        quotas_E = [[int(d)] for d in load_E]
+        for e, t, q in replicas:
+            hosts_E[e].append(t)
+            quotas_E[e].append(q)
+            quotas_E[e][0] -= q
+        return _replica_plan("ultraep", d_GE, cluster, dims, budget_bytes, hosts_E, quotas_E, row_cap,
+                             {"threshold": tau, "min_tokens": min_tokens})
+
+    return resolve_budget(build, demand_GE, budget_bytes, fallback, max_split)
+
+
+def plan_ultraep_greedy(demand_GE, cluster, dims, budget_bytes, *, state=None, redundant_slots: int | None = None,
+                        fallback: str = "split", max_split: int = 256):
+    """UltraEP's EPLB-like greedy fallback; each expert's load split evenly over its instances."""
+    free_G, owner_E = _check_common(cluster, dims, "ultraep_greedy", redundant_slots)
+    domain_G = cluster.domain_G
+
+    def build(d_GE, row_cap):
+        load_E = d_GE.sum(0)
+        hosts_E = [[] for _ in load_E]
+        for e, t in eplb_replicas(load_E, owner_E, free_G, domain_G):
+            hosts_E[e].append(t)
+        quotas_E = [largest_remainder(int(load_E[e]), np.ones(1 + len(hosts_E[e]))) for e in range(len(load_E))]
+        return _replica_plan("ultraep_greedy", d_GE, cluster, dims, budget_bytes, hosts_E, quotas_E, row_cap, {})
+
+    return resolve_budget(build, demand_GE, budget_bytes, fallback, max_split)
