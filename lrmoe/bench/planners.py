@@ -1,0 +1,293 @@
+"""Planner benchmark: how long every placement policy takes to plan one step of one MoE layer,
+beside the frozen reference (:mod:`lrmoe.planning.reference`, the planners as of 2cf58af).
+
+Scenarios: the paper's two models (Qwen3-30B-A3B: hidden 2048, expert FFN 768; GLM-4.5-Air:
+hidden 4096, expert FFN 1408; both 128 experts, top-8), EP8 (one fast domain) and EP64 (eight
+8-GPU domains), ``--tokens`` tokens per rank (32,768), slots E/G + 4, bf16 weights, fp32 grads, no
+optimizer state, per-GPU layer budgets ``--budgets`` (80 / 12 / 6 GiB) and four routings:
+balanced, log-normal popularity (sigma 1), one hot expert (a tenth of all pairs), a hot rank
+(the experts of rank 0 four times as popular). Popularity drifts over the steps (AR(1) on log
+popularity, phi 0.9, innovation 0.1; seeded) and every rank draws its pairs from it (multinomial).
+
+Policies: fixed, symi, ultraep, ultraep_greedy, lrmoe (drop 0.2) with waterfill and with
+proportional quotas, all with their default options. For each cell (model, EP, budget, routing,
+policy) the live planner (:func:`lrmoe.planning.policies.plan_placement`) and the reference plan
+the same drifting trace of ``--steps`` steps, interleaved (which one goes first alternates by
+step; symi carries each one's own state); the table gives the median and p95 wall time of both,
+the ratio reference / live (the speed-up), and the plan quality of both: slowest rank's cost
+(forward rows + 2 x kept rows, mean over steps), peak memory (max), kept pairs (mean), replicas
+(mean), steps over budget, the fallbacks used and how many steps gave identical plans.
+
+Targets (issue 12, medians): E=128, G=8 <= 1 ms per plan without pressure and <= 5 ms under
+pressure (a cell is pressured when a fallback was used); EP64 <= 10 ms.
+
+    lrmoe bench planners                       # everything, results/bench/bench_planners_cpu.json
+    lrmoe bench planners --only 'qwen3.*EP8' --steps 5
+    lrmoe bench planners --quick               # Qwen3, EP8, 80 and 6 GiB, balanced and log-normal
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..planning.memory import GIB
+from ..planning.plan import Cluster, ModelDims
+from ..planning.policies import plan_placement
+from ..planning.reference import reference_plan
+
+MODELS = {  # name: (hidden, expert FFN, experts, top-k)
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "glm-4.5-air": (4096, 1408, 128, 8),
+}
+EP_SIZES = {"EP8": (8, 8), "EP64": (64, 8)}  # name: (ranks, ranks per fast domain)
+ROUTINGS = ("balanced", "lognormal", "hot_expert", "hot_rank")
+POLICIES = {  # label: (policy, options)
+    "fixed": ("fixed", {}),
+    "symi": ("symi", {}),
+    "ultraep": ("ultraep", {}),
+    "ultraep_greedy": ("ultraep_greedy", {}),
+    "lrmoe_waterfill": ("lrmoe", {"drop_ratio": 0.2, "quota_policy": "waterfill"}),
+    "lrmoe_proportional": ("lrmoe", {"drop_ratio": 0.2, "quota_policy": "proportional"}),
+}
+BUDGETS_GIB = (80.0, 12.0, 6.0)
+QUICK = {"models": ["qwen3-30b-a3b"], "ep": ["EP8"], "budgets": [80.0, 6.0], "routings": ["balanced", "lognormal"]}
+PHI, INNOVATION = 0.9, 0.1
+
+
+def dims_of(model: str) -> ModelDims:
+    H, I, E, K = MODELS[model]
+    return ModelDims(hidden=H, intermediate=I, num_experts=E, top_k=K, dtype_bytes=2, grad_bytes=4,
+                     optimizer_bytes_per_param=0)
+
+
+def cluster_of(ep: str, num_experts: int) -> Cluster:
+    G, per = EP_SIZES[ep]
+    return Cluster(num_ranks=G, slots_per_rank=num_experts // G + 4,
+                   fast_domains=tuple(tuple(range(d, d + per)) for d in range(0, G, per)))
+
+
+def base_log_popularity(routing: str, E: int, G: int, rng) -> np.ndarray:
+    if routing == "balanced":
+        return np.zeros(E)
+    if routing == "lognormal":
+        return rng.normal(0.0, 1.0, E)
+    if routing == "hot_expert":  # expert 0 carries a tenth of all pairs (at most 1/top_k can)
+        logp = np.zeros(E)
+        logp[0] = math.log(0.1 * (E - 1) / 0.9)
+        return logp
+    if routing == "hot_rank":  # rank 0's experts four times as popular
+        logp = np.zeros(E)
+        logp[: E // G] = math.log(4.0)
+        return logp
+    raise ValueError(f"unknown routing {routing!r}")
+
+
+def drifting_trace(routing: str, E: int, G: int, pairs_per_rank: int, steps: int, seed: int) -> list[np.ndarray]:
+    """``steps`` demands [G, E]: log popularity = base + z_t, z_t = PHI z_{t-1} + INNOVATION eps_t;
+    each rank draws its pairs from the popularity (multinomial)."""
+    rng = np.random.default_rng(seed)
+    base = base_log_popularity(routing, E, G, rng)
+    z = np.zeros(E)
+    out = []
+    for _ in range(steps):
+        z = PHI * z + INNOVATION * rng.normal(size=E)
+        p = np.exp(base + z)
+        out.append(rng.multinomial(pairs_per_rank, p / p.sum(), size=G).astype(np.int64))
+    return out
+
+
+def quality(plan) -> dict:
+    return {"cost": float(plan.cost_G(2.0).max(initial=0.0)), "peak": int(plan.memory.peak),
+            "kept": int(plan.backward_quota_GN.sum()) * plan.num_splits, "replicas": int(plan.num_replicas_G.sum()),
+            "over": bool(plan.over_budget), "fallback": plan.fallback}
+
+
+def same_plan(a, b) -> bool:
+    return (a.fallback == b.fallback and a.num_splits == b.num_splits and a.instances == b.instances
+            and np.array_equal(a.send_GN, b.send_GN) and np.array_equal(a.backward_quota_GN, b.backward_quota_GN))
+
+
+def summarise(times: list[float], quals: list[dict], prefix: str) -> dict:
+    ms = np.array(times) * 1e3
+    fallbacks = sorted({q["fallback"] for q in quals})
+    return {f"{prefix}_median_ms": float(np.median(ms)), f"{prefix}_p95_ms": float(np.percentile(ms, 95)),
+            f"{prefix}_cost": statistics.fmean(q["cost"] for q in quals),
+            f"{prefix}_peak_gib": max(q["peak"] for q in quals) / GIB,
+            f"{prefix}_kept": statistics.fmean(q["kept"] for q in quals),
+            f"{prefix}_replicas": statistics.fmean(q["replicas"] for q in quals),
+            f"{prefix}_over_budget_steps": sum(q["over"] for q in quals),
+            f"{prefix}_fallback": ",".join(fallbacks), f"{prefix}_samples_ms": [float(x) for x in ms]}
+
+
+def bench_cell(label, trace, cluster, dims, budget_bytes, reference: bool) -> dict:
+    name, options = POLICIES[label]
+    t_live, t_ref, q_live, q_ref = [], [], [], []
+    state_live = state_ref = None
+    same = 0
+    for step, d in enumerate(trace):
+        def live():
+            return plan_placement(name, d, cluster, dims, budget_bytes, state=state_live, **options)
+
+        def ref():
+            return reference_plan(name, d, cluster, dims, budget_bytes, state=state_ref, **options)
+
+        order = [("live", live), ("ref", ref)] if reference else [("live", live)]
+        if step % 2:
+            order.reverse()
+        plans = {}
+        for who, fn in order:
+            t0 = time.perf_counter()
+            plans[who] = fn()
+            (t_live if who == "live" else t_ref).append(time.perf_counter() - t0)
+        state_live = plans["live"].state
+        q_live.append(quality(plans["live"]))
+        if reference:
+            state_ref = plans["ref"].state
+            q_ref.append(quality(plans["ref"]))
+            same += same_plan(plans["live"], plans["ref"])
+    row = summarise(t_live, q_live, "live")
+    if reference:
+        row.update(summarise(t_ref, q_ref, "ref"))
+        row["speedup"] = row["ref_median_ms"] / row["live_median_ms"]
+        row["same_plans"] = same
+    return row
+
+
+def target_ms(row) -> float:
+    if row["ranks"] > 8:
+        return 10.0
+    return 5.0 if row["pressured"] else 1.0
+
+
+def markdown(rows, reference: bool) -> str:
+    cols = [("cell", "model/EP/budget/routing", ""), ("policy", "policy", ""),
+            ("live_median_ms", "live ms (median)", ".2f"), ("live_p95_ms", "p95", ".2f")]
+    if reference:
+        cols += [("ref_median_ms", "ref ms (median)", ".2f"), ("ref_p95_ms", "p95", ".2f"),
+                 ("speedup", "ref/live", ".2f")]
+    cols += [("target", "target", ""), ("live_cost", "slowest cost", ".0f")]
+    if reference:
+        cols += [("ref_cost", "ref cost", ".0f")]
+    cols += [("live_peak_gib", "peak GiB", ".2f"), ("live_kept", "kept pairs", ".0f"),
+             ("live_replicas", "replicas", ".1f"), ("live_over_budget_steps", "over-budget steps", "d"),
+             ("live_fallback", "fallback", "")]
+    if reference:
+        cols += [("ref_fallback", "ref fallback", ""), ("same_plans", "same plans", "d")]
+    head = "| " + " | ".join(h for _, h, _ in cols) + " |"
+    lines = [head, "|" + "|".join("---" for _ in cols) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join("" if r.get(k) is None else (format(r[k], f) if f else str(r[k]))
+                                       for k, _, f in cols) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="lrmoe bench planners", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=3,
+                    help="steps of the drifting trace per cell (default 3: the whole grid in minutes on 2 cores)")
+    ap.add_argument("--quick", action="store_true", help="Qwen3, EP8, 80 and 6 GiB, balanced and log-normal only")
+    ap.add_argument("--only", default=None, metavar="REGEX",
+                    help="cells whose 'model/EP/budgetGiB/routing/policy' name matches (re.search)")
+    ap.add_argument("--tokens", type=int, default=32768, help="tokens per rank (default 32768; top-k pairs each)")
+    ap.add_argument("--budgets", default=",".join(f"{b:g}" for b in BUDGETS_GIB),
+                    help="per-GPU layer budgets in GiB, comma-separated (default 80,12,6)")
+    ap.add_argument("--no-reference", dest="reference", action="store_false", help="time the live planners only")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path("results/bench"), help="output folder for bench_planners_cpu.json")
+    args = ap.parse_args(argv)
+    if args.steps < 1:
+        ap.error(f"--steps must be >= 1, got {args.steps}")
+    if args.tokens < 1:
+        ap.error(f"--tokens must be >= 1, got {args.tokens}")
+    try:
+        budgets = [float(b) for b in args.budgets.split(",")]
+        if not budgets or any(not b > 0 for b in budgets):
+            raise ValueError
+    except ValueError:
+        ap.error(f"--budgets must be numbers > 0 (GiB), comma-separated, got {args.budgets!r}")
+    try:
+        only = re.compile(args.only) if args.only else None
+    except re.error as e:
+        ap.error(f"--only is not a valid regular expression ({e}): {args.only!r}")
+    models, eps, routings = list(MODELS), list(EP_SIZES), list(ROUTINGS)
+    if args.quick:
+        models, eps, routings = QUICK["models"], QUICK["ep"], QUICK["routings"]
+        if args.budgets == ap.get_default("budgets"):
+            budgets = QUICK["budgets"]
+
+    cells = [(m, ep, b, rt, pol) for m in models for ep in eps for b in budgets for rt in routings for pol in POLICIES
+             if only is None or only.search(f"{m}/{ep}/{b:g}GiB/{rt}/{pol}")]
+    if not cells:
+        ap.error(f"--only {args.only!r} matches no cell (names look like 'qwen3-30b-a3b/EP8/6GiB/lognormal/symi')")
+    # warm-up: imports and first-call costs (scipy's max flow) outside the timings
+    small = Cluster(num_ranks=2, slots_per_rank=3)
+    for label, (name, options) in POLICIES.items():
+        d = np.full((2, 4), 10, dtype=np.int64)
+        plan_placement(name, d, small, ModelDims(8, 8, 4, 2), 1e12, **options)
+        reference_plan(name, d, small, ModelDims(8, 8, 4, 2), 1e12, **options)
+
+    rows, traces = [], {}
+    t_start = time.perf_counter()
+    for m, ep, b, rt, pol in cells:
+        dims = dims_of(m)
+        cluster = cluster_of(ep, dims.num_experts)
+        key = (m, ep, rt)
+        if key not in traces:
+            seed = args.seed * 1000 + 100 * list(MODELS).index(m) + 10 * list(EP_SIZES).index(ep) + ROUTINGS.index(rt)
+            traces[key] = drifting_trace(rt, dims.num_experts, cluster.num_ranks, args.tokens * dims.top_k,
+                                         args.steps, seed)
+        cell = f"{m}/{ep}/{b:g}GiB/{rt}"
+        print(f"{cell}/{pol} ...", end=" ", flush=True, file=sys.stderr)
+        row = {"cell": cell, "model": m, "ep": ep, "ranks": cluster.num_ranks, "budget_gib": b, "routing": rt,
+               "policy": pol, **bench_cell(pol, traces[key], cluster, dims, b * GIB, args.reference)}
+        row["pressured"] = row["live_fallback"] != "none" or (args.reference and row["ref_fallback"] != "none")
+        row["target_ms"] = target_ms(row)
+        row["target_met"] = row["live_median_ms"] <= row["target_ms"]
+        row["target"] = f"{'met' if row['target_met'] else 'MISSED'} (<= {row['target_ms']:g})"
+        print(f"{row['live_median_ms']:.2f} ms" + (f" (ref {row['ref_median_ms']:.2f} ms)" if args.reference else ""),
+              file=sys.stderr, flush=True)
+        rows.append(row)
+    elapsed = time.perf_counter() - t_start
+
+    from ..environment import environment
+    from ..files import write_json
+
+    pressured_budget = min(budgets)
+    unpressured_at_min = sorted({r["policy"] for r in rows if r["budget_gib"] == pressured_budget
+                                 and not r["pressured"]})
+    notes = []
+    if unpressured_at_min:
+        notes.append(f"the smallest budget ({pressured_budget:g} GiB) triggered no fallback for: "
+                     + ", ".join(unpressured_at_min) + " (in some cells)")
+    met = sum(r["target_met"] for r in rows)
+    summary = f"targets met in {met} of {len(rows)} cells ({elapsed:.0f} s of planning)"
+    payload = {"benchmark": "planners",
+               "options": {"steps": args.steps, "quick": args.quick, "only": args.only, "tokens_per_rank": args.tokens,
+                           "budgets_gib": budgets, "reference": args.reference, "seed": args.seed},
+               "scenarios": {"models": {m: dict(zip(("hidden", "intermediate", "num_experts", "top_k"), MODELS[m]))
+                                        for m in models},
+                             "ep": {e: dict(zip(("ranks", "ranks_per_domain"), EP_SIZES[e])) for e in eps},
+                             "slots_per_rank": "E/G + 4", "dtype_bytes": 2, "grad_bytes": 4,
+                             "optimizer_bytes_per_param": 0, "routings": routings,
+                             "drift": {"phi": PHI, "innovation": INNOVATION},
+                             "policies": {k: {"policy": n, "options": o} for k, (n, o) in POLICIES.items()}},
+               "environment": environment(), "elapsed_s": elapsed, "rows": rows, "summary": summary, "notes": notes}
+    path = write_json(args.out / "bench_planners_cpu.json", payload)
+    print(markdown(rows, args.reference))
+    print(summary)
+    for n in notes:
+        print("note:", n)
+    print(f"wrote {path}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()

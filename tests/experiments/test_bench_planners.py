@@ -1,0 +1,73 @@
+"""`lrmoe bench planners` runs end to end at tiny sizes and writes what its docstring says (no timing
+is asserted: the benchmark is where planner speed is judged)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lrmoe.bench import planners
+from lrmoe.bench.cli import TARGETS
+
+ROW_KEYS = {"cell", "model", "ep", "ranks", "budget_gib", "routing", "policy", "pressured", "target_ms", "target_met",
+            "speedup", "same_plans"} | {f"{who}_{k}" for who in ("live", "ref") for k in (
+                "median_ms", "p95_ms", "cost", "peak_gib", "kept", "replicas", "over_budget_steps", "fallback",
+                "samples_ms")}
+
+
+def test_quick_run_writes_every_policy_with_the_reference(tmp_path, capsys):
+    # 64 tokens per rank, budgets of 1 GiB (fits) and 0.3 GiB (below the experts' own weights: a fallback)
+    planners.main(["--quick", "--steps", "2", "--tokens", "64", "--budgets", "1,0.3", "--out", str(tmp_path)])
+    d = json.loads((tmp_path / "bench_planners_cpu.json").read_text())
+    assert {"benchmark", "options", "scenarios", "environment", "rows", "summary", "notes"} <= d.keys()
+    assert d["options"]["steps"] == 2 and d["options"]["quick"] and d["options"]["budgets_gib"] == [1.0, 0.3]
+    rows = d["rows"]
+    assert len(rows) == 2 * 2 * len(planners.POLICIES)  # budgets x routings x policies
+    assert {r["policy"] for r in rows} == set(planners.POLICIES)
+    for r in rows:
+        assert ROW_KEYS <= r.keys(), ROW_KEYS - r.keys()
+        assert len(r["live_samples_ms"]) == len(r["ref_samples_ms"]) == 2
+        assert r["same_plans"] == 2  # live plans equal the reference (tests/planning/test_reference.py)
+        assert r["pressured"] == (r["budget_gib"] == 0.3)
+        assert (r["live_fallback"] == "none") == (r["budget_gib"] == 1.0)
+        assert r["target_ms"] == (5.0 if r["pressured"] else 1.0)
+        assert r["target_met"] == (r["live_median_ms"] <= r["target_ms"])
+    out = capsys.readouterr().out
+    assert "| model/EP/budget/routing | policy |" in out and "targets met in" in out
+
+
+def test_only_selects_cells_and_no_reference_skips_it(tmp_path):
+    d = planners.main(["--steps", "1", "--tokens", "32", "--only", "glm.*EP64/80GiB/hot_rank/(fixed|symi)$",
+                       "--no-reference", "--out", str(tmp_path)])
+    assert [(r["model"], r["ep"], r["routing"], r["policy"]) for r in d["rows"]] == [
+        ("glm-4.5-air", "EP64", "hot_rank", "fixed"), ("glm-4.5-air", "EP64", "hot_rank", "symi")]
+    assert all(r["ranks"] == 64 and r["target_ms"] == 10.0 and "ref_median_ms" not in r for r in d["rows"])
+
+
+def test_drifting_trace_is_seeded_and_keeps_pairs_per_rank():
+    a = planners.drifting_trace("lognormal", 16, 4, 100, 3, seed=5)
+    b = planners.drifting_trace("lognormal", 16, 4, 100, 3, seed=5)
+    assert all((x == y).all() for x, y in zip(a, b)) and not (a[0] == a[2]).all()
+    assert all(x.shape == (4, 16) and (x.sum(1) == 100).all() for x in a)
+    hot = planners.drifting_trace("hot_expert", 64, 4, 10_000, 1, seed=0)[0]
+    assert abs(hot[:, 0].sum() / hot.sum() - 0.1) < 0.02 and hot[:, 0].sum() > 4 * hot[:, 1:].sum(0).max()
+    rank = planners.drifting_trace("hot_rank", 64, 4, 10_000, 1, seed=0)[0]
+    assert rank[:, :16].sum(0).min() > 2 * rank[:, 16:].sum(0).max()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--budgets", "80,x"], "--budgets must be numbers > 0"),
+    (["--only", "("], "--only is not a valid regular expression"),
+    (["--only", "no-such-cell"], "matches no cell"),
+    (["--bogus"], "unrecognized arguments"),
+])
+def test_bad_options_exit_2_with_a_message(argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        planners.main([*argv, "--out", str(tmp_path)])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "bench_planners_cpu.json").exists()
+
+
+def test_the_cli_knows_the_target():
+    assert TARGETS["planners"] == "lrmoe.bench.planners"
