@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from lrmoe.planning.plan import (cap_rows, largest_remainder, locality_split, make_plan, owned_layout,
+from lrmoe.planning.plan import (cap_rows, largest_remainder, locality_split_replicas, make_plan, owned_layout,
                                  replica_instances, resolve_budget)
 
 Replica = tuple[int, int, int]  # (expert, host rank, quota rows)
@@ -157,10 +157,12 @@ def eplb_replicas(load_E, owner_E, free_G, domain_G) -> list[tuple[int, int]]:
 def _replica_plan(policy, demand_GE, cluster, dims, budget_bytes, hosts_E, quotas_E, row_cap, info):
     """Masters plus replicas on ``hosts_E``; each expert's pairs split locality-first by ``quotas_E``."""
     instances, cols_E = replica_instances(cluster, dims, hosts_E, policy)
-    rank_N = np.array([i.rank for i in instances])
-    send = np.zeros((cluster.num_ranks, len(instances)), dtype=np.int64)
-    for e, cols in enumerate(cols_E):
-        send[:, cols] = locality_split(demand_GE[:, e], rank_N[cols], quotas_E[e])
+    rank_N = np.array([i.rank for i in instances], dtype=np.int64)
+    expert_N = np.array([i.expert for i in instances], dtype=np.int64)
+    quota_N = np.zeros(len(instances), dtype=np.int64)
+    for cols, q in zip(cols_E, quotas_E):
+        quota_N[cols] = q
+    send = locality_split_replicas(demand_GE, expert_N, rank_N, quota_N)
     if row_cap is not None:
         send = cap_rows(send, row_cap)
     return make_plan(policy, demand_GE, cluster, dims, budget_bytes, instances, send, info=info)

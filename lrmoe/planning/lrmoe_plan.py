@@ -44,8 +44,8 @@ import math
 import numpy as np
 
 from .memory import instance_bytes, token_row_bytes
-from .plan import (Cluster, ModelDims, largest_remainder, locality_split, make_plan, owned_layout,
-                   replica_instances, resolve_budget)
+from .plan import (Cluster, ModelDims, largest_remainder, largest_remainder_cols, largest_remainder_groups,
+                   locality_split_replicas, make_plan, owned_layout, replica_instances, resolve_budget)
 from .quota import check_drop_ratio, compute_quota, quota_for, retained_total
 
 _EPS = 1e-9
@@ -74,30 +74,41 @@ def _greedy(tau, cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, dom
     slack = np.maximum(tau - cost_G, 0.0)
     if excess.sum() > slack.sum() + _EPS:
         return None
-    mem = mem_G.astype(np.float64)
-    free = free_G.copy()
+    # Scalar Python over the G ranks (G is small; numpy per-element calls cost more than they save).
+    # Every operation is the same IEEE double arithmetic as the array form, in the same order.
+    G = len(cost_G)
+    slack = slack.tolist()
+    mem = mem_G.astype(np.float64).tolist()
+    free = [int(f) for f in free_G]
+    dom = [int(x) for x in domain_G]
     hosts = [{int(r)} for r in owner_E]
-    moved = np.zeros_like(d_E)
+    left = [int(x) for x in d_E]  # rows of each expert not moved yet
+    wl, rbl = w_E.tolist(), [float(x) for x in row_bytes_E]
+    rep_bytes = float(rep_bytes)
+    finite = math.isfinite(budget)
     replicas = []
 
     def shed(r, need):
         """Move rows off rank r until its cost excess ``need`` is gone (and, in pass 2, its memory
         is within budget); returns the cost excess left."""
         mine = np.flatnonzero(owner_E == r)
-        for e in mine[np.argsort(-L_E[mine], kind="stable")]:
-            w, rb = w_E[e], row_bytes_E[e]
-            while (need > _EPS or mem[r] > budget) and d_E[e] - moved[e] > 0:
-                ok = (free > 0) & (domain_G == domain_G[r]) & (slack >= w - _EPS) & (mem + rep_bytes + rb <= budget)
-                ok[list(hosts[e])] = False
-                if not ok.any():
+        peers = [t for t in range(G) if dom[t] == dom[r]]
+        for e in mine[np.argsort(-L_E[mine], kind="stable")].tolist():
+            w, rb, host = wl[e], rbl[e], hosts[e]
+            while (need > _EPS or mem[r] > budget) and left[e] > 0:
+                t, best = -1, -1.0
+                for u in peers:  # the first rank with the most slack among the eligible ones
+                    if free[u] > 0 and slack[u] >= w - _EPS and mem[u] + rep_bytes + rb <= budget \
+                            and u not in host and slack[u] > best:
+                        t, best = u, slack[u]
+                if t < 0:
                     break
-                t = int(np.argmax(np.where(ok, slack, -1.0)))
                 want = max(math.ceil(need / w - _EPS), math.ceil((mem[r] - budget) / rb) if mem[r] > budget else 0)
                 # A replica carries at least min_rows (it may shed more than needed, never past tau):
                 # capping it at the need instead would fail at a larger tau where a smaller one
                 # succeeded, and the threshold search would miss far smaller thresholds.
-                x = min(max(want, min_rows), math.floor(slack[t] / w + _EPS), int(d_E[e] - moved[e]))
-                if math.isfinite(budget):
+                x = min(max(want, min_rows), math.floor(slack[t] / w + _EPS), left[e])
+                if finite:
                     x = min(x, math.floor((budget - mem[t] - rep_bytes) / rb))
                 if x < min_rows:
                     break
@@ -107,15 +118,15 @@ def _greedy(tau, cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, dom
                 free[t] -= 1
                 mem[t] += rep_bytes + x * rb
                 mem[r] -= x * rb
-                moved[e] += x
-                hosts[e].add(t)
+                left[e] -= x
+                host.add(t)
             if need <= _EPS and mem[r] <= budget:
                 break
         return need
 
-    order = np.argsort(-cost_G, kind="stable")
+    order = np.argsort(-cost_G, kind="stable").tolist()
     for r in order:
-        if excess[r] > _EPS and shed(r, excess[r]) > _EPS:
+        if excess[r] > _EPS and shed(r, float(excess[r])) > _EPS:
             return None
     for r in order:
         if mem[r] > budget:
@@ -259,26 +270,52 @@ def _plan_with_quota(d_GE, q_E, cluster: Cluster, dims: ModelDims, budget, *, fr
     return found
 
 
+def _instance_quotas_flat(q_E, rows_N, expert_N, rank_N, G: int, backward_weight: float, tau: float) -> np.ndarray:
+    """:func:`_instance_quotas` over flat per-instance arrays (instances of the
+    :func:`lrmoe.planning.plan.replica_instances` layout): the kept rows of every instance.
+
+    The common case (largest remainder meets ``tau``) is vectorised; otherwise the per-expert
+    lists are built and :func:`_instance_quotas` decides (same result either way)."""
+    q_E = np.asarray(q_E, dtype=np.int64)
+    rows_N = np.asarray(rows_N, dtype=np.int64)
+    E = q_E.size
+    d_E = np.bincount(expert_N, weights=rows_N, minlength=E).astype(np.int64)
+    d_N, q_N = d_E[expert_N], q_E[expert_N]
+    floors_N = np.where(d_N > 0, rows_N * q_N // np.where(d_N > 0, d_N, 1), 0)
+    units = int(q_E.sum()) - int(floors_N.sum())
+    exact_N = largest_remainder_groups(np.where(d_E > 0, q_E, 0), rows_N, expert_N)
+    cost_G = np.bincount(rank_N, weights=rows_N, minlength=G) + backward_weight * np.bincount(
+        rank_N, weights=exact_N, minlength=G)
+    if backward_weight <= 0 or units == 0 or cost_G.max(initial=0.0) <= tau + _EPS:
+        return exact_N
+    order = np.argsort(expert_N, kind="stable")  # per expert: owner first, then its replicas in order
+    bounds = np.searchsorted(expert_N[order], np.arange(E + 1))
+    cols_E = [order[bounds[e]:bounds[e + 1]] for e in range(E)]
+    kept_E = _instance_quotas(q_E, [rows_N[c] for c in cols_E], [rank_N[c] for c in cols_E], G, backward_weight, tau)
+    out = np.zeros_like(rows_N)
+    for c, k in zip(cols_E, kept_E):
+        out[c] = k
+    return out
+
+
 def _assemble(d_GE, q_E, replicas, tau, cluster: Cluster, dims: ModelDims, budget, backward_weight, info):
     """The plan of the greedy's replicas at threshold ``tau``: instances, locality-first routing and
     per-(source, instance) backward quotas."""
     G, E = d_GE.shape
     d_E = d_GE.sum(0)
     hosts_E = [[] for _ in range(E)]
-    rows_E = [[int(d)] for d in d_E]
-    for e, t, x in replicas:
+    for e, t, _ in replicas:
         hosts_E[e].append(t)
-        rows_E[e].append(x)
-        rows_E[e][0] -= x
-    instances, cols_E = replica_instances(cluster, dims, hosts_E, "lrmoe")
-    rank_N = np.array([i.rank for i in instances])
-    send = np.zeros((G, len(instances)), dtype=np.int64)
-    quota = np.zeros_like(send)
-    kept_E = _instance_quotas(q_E, rows_E, [rank_N[cols] for cols in cols_E], G, backward_weight, tau)
-    for e, cols in enumerate(cols_E):
-        send[:, cols] = locality_split(d_GE[:, e], rank_N[cols], rows_E[e])
-        for n, b in zip(cols, kept_E[e]):
-            quota[:, n] = largest_remainder(int(b), send[:, n])
+    instances, _ = replica_instances(cluster, dims, hosts_E, "lrmoe")
+    rank_N = np.array([i.rank for i in instances], dtype=np.int64)
+    expert_N = np.array([i.expert for i in instances], dtype=np.int64)
+    rep = np.array([(e, x) for e, _, x in replicas], dtype=np.int64).reshape(-1, 2)
+    rep = rep[np.argsort(rep[:, 0], kind="stable")]  # replica columns follow expert order
+    rows_N = np.concatenate([d_E, rep[:, 1]])
+    np.subtract.at(rows_N, rep[:, 0], rep[:, 1])
+    send = locality_split_replicas(d_GE, expert_N, rank_N, rows_N)
+    kept_N = _instance_quotas_flat(q_E, rows_N, expert_N, rank_N, G, backward_weight, tau)
+    quota = largest_remainder_cols(kept_N, send)
     info = {**info, "threshold": tau, "quota_E": q_E, "n_keep": int(q_E.sum()), "backward_weight": backward_weight,
             "drop_ratio_effective": 1.0 - int(q_E.sum()) / max(int(d_E.sum()), 1)}
     return make_plan("lrmoe", d_GE, cluster, dims, budget, instances, send, quota, info=info)

@@ -323,13 +323,91 @@ def locality_split(d_G, rank_N, quota_N, rest: int = 0) -> np.ndarray:
     return send
 
 
+def largest_remainder_cols(total_N, w_GN) -> np.ndarray:
+    """Column-wise :func:`largest_remainder`: ``out[:, n] == largest_remainder(total_N[n], w_GN[:, n])``
+    for every column n, in one pass (same ties: the lower row index)."""
+    w = np.asarray(w_GN, dtype=np.int64)
+    t = np.broadcast_to(np.asarray(total_N, dtype=np.int64), (w.shape[1],))
+    W = w.sum(0)
+    bad = (W <= 0) & (t != 0)
+    if bad.any():
+        n = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"cannot split {int(t[n])} over zero weights")
+    base, rem = np.divmod(w * t, np.where(W > 0, W, 1))
+    missing = t - base.sum(0)
+    order = np.argsort(-rem, axis=0, kind="stable")
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(w.shape[0])[:, None], axis=0)
+    return base + (rank < missing)
+
+
+def largest_remainder_groups(total_K, w_M, group_M) -> np.ndarray:
+    """Grouped :func:`largest_remainder` over a flat array: the elements of group k (``group_M == k``,
+    in array order) get ``largest_remainder(total_K[k], w_M[group_M == k])``."""
+    w = np.asarray(w_M, dtype=np.int64)
+    g = np.asarray(group_M, dtype=np.int64)
+    t_K = np.asarray(total_K, dtype=np.int64)
+    W_K = np.bincount(g, weights=w, minlength=len(t_K)).astype(np.int64)
+    bad = (W_K <= 0) & (t_K != 0)
+    if bad.any():
+        k = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"cannot split {int(t_K[k])} over zero weights")
+    t, W = t_K[g], np.where(W_K > 0, W_K, 1)[g]
+    base, rem = np.divmod(w * t, W)
+    missing_K = t_K - np.bincount(g, weights=base, minlength=len(t_K)).astype(np.int64)
+    order = np.lexsort((np.arange(w.size), -rem, g))  # by group, then descending remainder, then index
+    start_K = np.searchsorted(g[order], np.arange(len(t_K)))
+    rank = np.empty_like(order)
+    rank[order] = np.arange(w.size) - start_K[g[order]]
+    return base + (rank < missing_K[g])
+
+
+def locality_split_replicas(d_GE, expert_N, rank_N, quota_N) -> np.ndarray:
+    """:func:`locality_split` of every expert at once, for the owner-plus-replicas layout of
+    :func:`replica_instances` (instance e is expert e's owner, the ``rest``; replicas follow in
+    order). Returns send [G, N]; ``send[:, cols_e] == locality_split(d_GE[:, e], rank_N[cols_e],
+    quota_N[cols_e])`` for every expert e with instance columns cols_e (owner first)."""
+    d_GE = np.asarray(d_GE, dtype=np.int64)
+    expert_N = np.asarray(expert_N, dtype=np.int64)
+    rank_N = np.asarray(rank_N, dtype=np.int64)
+    quota_N = np.asarray(quota_N, dtype=np.int64)
+    G, E = d_GE.shape
+    N = expert_N.size
+    q_E = np.bincount(expert_N, weights=quota_N, minlength=E).astype(np.int64)
+    bad = np.flatnonzero(q_E != d_GE.sum(0))
+    if bad.size:
+        e = int(bad[0])
+        raise ValueError(f"instance quotas sum to {int(q_E[e])}, demand to {int(d_GE[:, e].sum())}")
+    rem = d_GE.copy()
+    send = np.zeros((G, N), dtype=np.int64)
+    reps = np.arange(E, N)
+    # j-th replica of its expert: replicas of one expert are contiguous and in order
+    rep_ex = expert_N[reps]
+    first = np.searchsorted(rep_ex, rep_ex)
+    j_R = np.arange(reps.size) - first
+    rounds = [reps[j_R == j] for j in range(int(j_R.max(initial=-1)) + 1)]
+    for cols in rounds:  # pass 1: pairs already on the host rank (in replica order per expert)
+        e, r = expert_N[cols], rank_N[cols]
+        take = np.minimum(quota_N[cols], rem[r, e])
+        send[r, cols] = take
+        rem[r, e] -= take
+    for cols in rounds:  # pass 2: the rest of each quota, largest remainder over the sources' pairs
+        e = expert_N[cols]
+        alloc = largest_remainder_cols(quota_N[cols] - send[:, cols].sum(0), rem[:, e])
+        send[:, cols] += alloc
+        rem[:, e] -= alloc
+    send[:, :E] = rem
+    return send
+
+
 def cap_rows(send_GN: np.ndarray, cap) -> np.ndarray:
     """Drop over capacity: each instance keeps at most ``cap`` rows (scalar or [N]), trimmed
     proportionally over its sources (largest remainder)."""
     send = send_GN.copy()
     cap_N = np.broadcast_to(np.asarray(cap, dtype=np.int64), (send.shape[1],))
-    for n in np.flatnonzero(send.sum(0) > cap_N):
-        send[:, n] = largest_remainder(int(cap_N[n]), send[:, n])
+    over = np.flatnonzero(send.sum(0) > cap_N)
+    if over.size:
+        send[:, over] = largest_remainder_cols(cap_N[over], send[:, over])
     return send
 
 
