@@ -25,6 +25,7 @@ class Call:
         self.ep, self.plan, self.layout, self.policy, self.record = ep, plan, layout, policy, record
         self.num_experts = num_experts
         self.comm: dict[str, int] = {}
+        self.plan_seconds = 0.0  # host seconds spent planning this call (set by the runtime; goes into the record)
 
 
 def _pack(gu: torch.Tensor, dn: torch.Tensor) -> torch.Tensor:
@@ -200,7 +201,9 @@ class EPExperts(torch.autograd.Function):
                         scores=scores_TK, nonfinite=nonfinite, mode=policy.mode, drop_ratio=policy.drop_ratio,
                         scorer=None if scores_TK is None else policy.scorer,
                         buffer_bytes=buffer_bytes(G_k.shape[0], gate_up.shape[2], I, G_k.element_size()),
-                        timings={**{f"fwd_{k}": v for k, v in call.forward_timings.items()}, **watch.times},
-                        comm_bytes=dict(call.comm), plan=call.plan, rank=ep.rank, world_size=ep.world_size)
+                        timings={**({"fwd_plan": call.plan_seconds} if policy.profile else {}),
+                                 **{f"fwd_{k}": v for k, v in call.forward_timings.items()}, **watch.times},
+                        comm_bytes=dict(call.comm), plan=call.plan, rank=ep.rank, world_size=ep.world_size,
+                        plan_seconds=call.plan_seconds)
         return grad_hidden, grad_alpha, dW_gu_own, dW_d_own, None, None
 

@@ -123,6 +123,7 @@ class ExpertParallel:
         self.last_plan: Plan | list[Plan] | None = None
         self.last_forward_bytes: dict[str, int] = {}
         self.plan_seconds = 0.0  # host time of the latest call's planning (all pieces)
+        self.plan_seconds_total = 0.0  # host time of every planning since construction (never reset)
 
     @property
     def local_experts(self) -> range:
@@ -164,7 +165,9 @@ class ExpertParallel:
         plan = plan_placement(self.placement, demand_GE, self.cluster, dims, self.budget_bytes, state=state, **opts)
         if policy.selects and plan.policy != "lrmoe":
             plan = selection_quotas(plan, dims, policy.drop_ratio, policy.quota, policy.quota_kwargs)
-        self.plan_seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.plan_seconds += dt
+        self.plan_seconds_total += dt
         return plan
 
     def planner_signature(self) -> str:
@@ -229,6 +232,7 @@ def _merge_records(target: BackwardRecord, parts: list[BackwardRecord]) -> None:
         for k, v in p.comm_bytes.items():
             comm[k] = comm.get(k, 0) + v
     scores = cat("scores") if all(p.scores is not None for p in parts) else None
+    plan_s = sum(p.plan_seconds for p in parts)  # the whole call's planning (the first piece holds the split's)
     timings: dict[str, float] = {}  # seconds per phase, summed over the pieces
     for p in parts:
         for k, v in p.timings.items():
@@ -237,7 +241,7 @@ def _merge_records(target: BackwardRecord, parts: list[BackwardRecord]) -> None:
                 kept_mask=cat("kept_mask"), scores=scores, nonfinite=sum(p.nonfinite for p in parts),
                 mode=parts[0].mode, drop_ratio=parts[0].drop_ratio, scorer=parts[0].scorer,
                 buffer_bytes=max(p.buffer_bytes for p in parts), timings=timings, comm_bytes=comm, plan=[p.plan for p in parts], rank=parts[0].rank,
-                world_size=parts[0].world_size)
+                world_size=parts[0].world_size, plan_seconds=plan_s)
 
 
 def ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weights_TK: torch.Tensor,
@@ -251,7 +255,12 @@ def ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weig
     :class:`BackwardRecord`) is filled in backward with this rank's view: demand, quota, kept
     (per expert, this rank's pairs), kept_mask, scores, plus ``comm_bytes`` (bytes this rank sent
     to other ranks per all-to-all: fwd_weights, fwd_dispatch, fwd_combine, fwd_phi,
-    bwd_grad_rows, bwd_grad_index, bwd_dx, bwd_weight_grads), ``plan``, ``rank``, ``world_size``."""
+    bwd_grad_rows, bwd_grad_index, bwd_dx, bwd_weight_grads), ``plan``, ``rank``, ``world_size``,
+    and ``plan_seconds``: host seconds this call spent planning (``ExpertParallel.plan``: the
+    placement planner and, for baselines under a selecting policy, the backward quotas; for a split
+    microbatch the whole-call plan and every piece's, summed), measured always (also without
+    ``profile``); with ``profile=True`` it is also ``timings["fwd_plan"]``. It is part of the
+    forward's time (the planner runs inside the experts function, before the dispatch)."""
     policy = check_policy(policy)
     _check_local_inputs(hidden_TH, top_k_index_TK, top_k_weights_TK, gate_up_proj, down_proj, ep)
     policy = policy.snapshot(hidden_TH.device)  # what this call's forward and backward use
@@ -273,6 +282,7 @@ def ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weig
     ep.plan_seconds = 0.0
     ep.last_forward_bytes = {}
     plan = ep.plan(demand_GE, dims, policy, state=prev_state)
+    plan_s = ep.plan_seconds  # this call's planning so far (a split adds each piece's below)
     if torch.is_grad_enabled():  # training calls advance the planner's state (SYMI's popularity);
         ep.state = plan.state    # evaluation under no_grad plans from it and leaves it unchanged
     if plan.fallback == "oom":
@@ -285,7 +295,7 @@ def ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weig
             f"raise budget_bytes or use smaller microbatches")
     if plan.num_splits == 1:
         ep.last_plan = plan
-        return _run(hidden_TH, idx, top_k_weights_TK, gate_up_proj, down_proj, ep, plan, policy, record)
+        return _run(hidden_TH, idx, top_k_weights_TK, gate_up_proj, down_proj, ep, plan, policy, record, plan_s)
 
     # split_microbatch:N: N pieces of this rank's tokens (contiguous, as even as possible), each
     # planned on its own demand (fallback oom: executed even if a piece is still over budget).
@@ -297,7 +307,9 @@ def ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weig
         sl = slice(bounds[j], bounds[j + 1])
         i_j = idx[sl]
         d_j = gather_demand(ep, torch.bincount(i_j.reshape(-1), minlength=E), header, readable)
+        before = ep.plan_seconds
         p_j = ep.plan(d_j, dims, policy, state=prev_state, piece=True)
+        piece_s = ep.plan_seconds - before + (plan_s if j == 0 else 0.0)  # the first piece carries the split's plan
         plans.append(p_j)
         rec_j = None
         if record is not None:
@@ -306,15 +318,17 @@ def ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weig
                     _merge_records(record, parts)
             rec_j = BackwardRecord(on_fill=on_fill)
             parts.append(rec_j)
-        outs.append(_run(hidden_TH[sl], i_j, top_k_weights_TK[sl], gate_up_proj, down_proj, ep, p_j, policy, rec_j))
+        outs.append(_run(hidden_TH[sl], i_j, top_k_weights_TK[sl], gate_up_proj, down_proj, ep, p_j, policy, rec_j,
+                         piece_s))
     ep.last_plan = plans
     return torch.cat(outs)
 
 
-def _run(hidden_TH, idx, w_TK, gate_up, down, ep, plan, policy, record):
+def _run(hidden_TH, idx, w_TK, gate_up, down, ep, plan, policy, record, plan_seconds=0.0):
     compacts = policy.selects and policy.mode == "compact" and bool((plan.backward_quota_GN != plan.send_GN).any())
     layout = Layout(plan, ep.rank, ep.experts_per_rank, compacts, hidden_TH.device)
     call = Call(ep, plan, layout, policy, record, ep.num_experts)
+    call.plan_seconds = plan_seconds
     with autocast_off(hidden_TH.device):
         return EPExperts.apply(hidden_TH, w_TK, gate_up, down, idx, call)
 

@@ -23,7 +23,8 @@ Semantics (docs/expert_parallel.md, "Training with torchrun"):
 * The ``random`` scorer's seed is offset per rank (:func:`rank_seed`), so ranks draw
   independent streams (rank 0 keeps the configured seed).
 * Per-step statistics are sums over all ranks (loss, demand/quota/kept per expert, kept pairs,
-  non-finite scores, the runtime's ``comm_bytes``); times are the maximum over ranks. Rank 0
+  non-finite scores, the runtime's ``comm_bytes``); times are the maximum over ranks (also
+  ``moe_plan_s``, the step's planning seconds over all MoE layers and micro-batches, EP rows only). Rank 0
   alone writes ``metrics.jsonl`` and ``summary.json``. Evaluation runs on every rank, each on its
   share of every held-out micro-batch.
 * Checkpoints: ``checkpoint.pt`` (rank 0) holds the full, unsharded weights (gathered to rank 0 alone, layer by
@@ -121,6 +122,7 @@ class DistributedRunner:
         self.is_main = self.env.is_main
         self.eps: list[ExpertParallel] = []
         self.num_experts = 0
+        self._plan_s0 = 0.0  # sum of the layers' plan_seconds_total when the step began
 
     def policy_for_rank(self, policy):
         """The backward policy of this rank: the random scorer's seed offset by the rank (see
@@ -168,9 +170,14 @@ class DistributedRunner:
     # ------------------------------------------------------------------ step
     def local_batches(self, batches: list[dict]) -> list[dict]:
         """This rank's contiguous block of rows of every micro-batch."""
+        self._plan_s0 = self.plan_seconds_total()  # the step starts here (evaluation plans are not counted)
         m = self.cfg.micro_batch // self.world
         lo = self.rank * m
         return [{k: v[lo:lo + m] for k, v in b.items()} for b in batches]
+
+    def plan_seconds_total(self) -> float:
+        """Host seconds this rank's EP layers have spent planning since they were built."""
+        return sum(ep.plan_seconds_total for ep in self.eps)
 
     def backward(self, loss: torch.Tensor) -> None:
         (loss * self.world).backward()
@@ -207,7 +214,12 @@ class DistributedRunner:
             off += 1 + 3 * E
             out_stats[li] = None if chunk[0] == 0 else {k: chunk[1 + j * E:1 + (j + 1) * E]
                                                          for j, k in enumerate(("demand", "quota", "kept"))}
-        extra = {"comm_bytes": comm_sum, "comm_bytes_total": sum(comm_sum.values())} if self.eps else {}
+        extra = {}
+        if self.eps:
+            # the step's planning (every MoE layer, every micro-batch, split pieces included), slowest rank
+            plan_s = torch.tensor([self.plan_seconds_total() - self._plan_s0], dtype=torch.float64, device=self.device)
+            dist.all_reduce(plan_s, op=dist.ReduceOp.MAX)
+            extra = {"comm_bytes": comm_sum, "comm_bytes_total": sum(comm_sum.values()), "moe_plan_s": float(plan_s)}
         return loss_total, kept, out_stats, nonfinite, extra
 
     def clip_(self, model, params, clip: float) -> float:

@@ -22,6 +22,11 @@ Definitions (see docs/reproduce.md):
   compaction, grouped GEMMs, scatter). Router, attention, shared experts and the optimizer are
   excluded: this is the paper's "execution inside MoE layers". CPU: ``time.perf_counter``; CUDA:
   CUDA events, summed after the step's synchronisation.
+* ``moe_plan_s`` (expert-parallel rows only): host seconds the placement planners took during the
+  step, summed over all MoE layers, micro-batches and split pieces (``ExpertParallel.plan``: the
+  planner after the demand all-gather, before the dispatch); the slowest rank's, like the times
+  above. It is a part of ``moe_fwd_s`` (planning runs inside the experts function's forward).
+  Single-process and ``ep=1`` runs have no planner and leave the key out (not 0), like ``comm_bytes``.
 * ``kept_fraction``: kept / routed pairs in the expert backward, mean over MoE layers (1.0 at C0).
 * ``tokens_per_s``: non-padding input tokens of the step / wall time of the step.
 """
@@ -37,6 +42,8 @@ from ..run_folder import read_metrics
 
 METRIC_KEYS = ("step", "epoch", "loss", "ppl", "lr", "grad_norm", "tokens", "label_tokens", "tokens_per_s",
                "step_time_s", "moe_fwd_s", "moe_bwd_s", "kept_fraction", "nonfinite", "layers", "elapsed_s")
+#: Keys that expert-parallel rows (``ep > 1``) add to :data:`METRIC_KEYS` (lrmoe.train.ep).
+EP_METRIC_KEYS = ("comm_bytes", "comm_bytes_total", "moe_plan_s")
 
 
 def _lines(rows) -> str:

@@ -10,6 +10,7 @@ raise clear exceptions on every rank instead of hanging (process-group timeouts)
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import pickle
 import time
@@ -116,6 +117,7 @@ def run_case(case, rank, G, seed):
     y.backward(dy[lo:hi])
     rec = module.last_backward
     last_forward_bytes = dict(ep.last_forward_bytes)
+    plan_s = {"record": rec.plan_seconds, "call": ep.plan_seconds, "total": ep.plan_seconds_total}
     state_eval = state_train = None
     if warmup:  # an evaluation call (no_grad, other routing) must not move the planner's state; training does
         before = pickle.dumps(ep.state)
@@ -127,7 +129,7 @@ def run_case(case, rank, G, seed):
     return {"state_unchanged_by_eval": state_eval, "state_unchanged_by_train": state_train,"y": y.detach(), "gx": xl.grad, "gw": wl.grad, "ggu": module.gate_up_proj.grad,
             "gdn": module.down_proj.grad, "kept_mask": rec.kept_mask, "scores": rec.scores, "kept": rec.kept,
             "quota": rec.quota, "demand": rec.demand, "comm": rec.comm_bytes, "plan": plan_arrays(rec.plan),
-            "last_forward_bytes": last_forward_bytes}
+            "last_forward_bytes": last_forward_bytes, "plan_s": plan_s}
 
 
 HF_VOCAB, HF_SEQS, HF_LEN = 61, 4, 10
@@ -232,7 +234,9 @@ def error_worker(rank, G, port, out_dir):
                             quota_is_send=all(bool((p.backward_quota_GN == p.send_GN).all()) for p in plans),
                             fits=all(p.memory.peak <= ep_b.budget_bytes for p in plans),
                             kept_is_quota=m.last_backward.kept.tolist() == m.last_backward.quota.tolist(),
-                            timings=sorted(m.last_backward.timings))  # summed over the pieces
+                            timings=sorted(m.last_backward.timings),  # summed over the pieces
+                            plan_s=(m.last_backward.plan_seconds, m.last_backward.timings.get("fwd_plan"),
+                                    ep_b.plan_seconds))
     # 2c. expert weights of different dtypes: a ValueError before any collective
     m = ExpertParallelExperts.from_full(gu, dn, ExpertParallel(E, None, "fixed"))
     m.down_proj.data = m.down_proj.data.float()
@@ -472,6 +476,23 @@ def test_last_forward_bytes_cover_the_whole_call(results, G):
                 assert isinstance(res["plan"], list) and len(res["plan"]) > 1, (case[0], r)
 
 
+@pytest.mark.parametrize("G", sorted(CASES))
+def test_records_carry_the_planning_time(results, G):
+    """Every call's record holds the seconds that call spent planning (> 0, finite), the same as
+    ``ep.plan_seconds`` after the call (for a split microbatch: the split's plan plus every piece's);
+    ``ep.plan_seconds_total`` counts every call (warm-up calls included)."""
+    for case in CASES[G]:
+        if case[0] == "hf":
+            continue
+        for r, res in enumerate(load(results, G, case[0])):
+            p = res["plan_s"]
+            assert math.isfinite(p["record"]) and p["record"] > 0, (case[0], r, p)
+            assert p["record"] == pytest.approx(p["call"], rel=1e-9), (case[0], r, p)
+            assert p["total"] >= p["call"], (case[0], r, p)
+            if case[7]:  # warm-up calls planned too
+                assert p["total"] > p["call"], (case[0], r, p)
+
+
 def test_failures_raise_not_hang(tmp_path):
     spawn(error_worker, 2, str(tmp_path), deadline_s=120)  # a hang fails the test
     r0 = torch.load(tmp_path / "errors.rank0.pt")
@@ -487,7 +508,9 @@ def test_failures_raise_not_hang(tmp_path):
         c0 = r["c0_budget"]
         assert "shrink_quota" not in c0["fallbacks"] and c0["quota_is_send"] and c0["kept_is_quota"], c0
         assert c0["fits"] and c0["pieces"] > 1, c0  # the microbatch is split instead
-        assert {"gemm", "router_grad", "fwd_dispatch"} <= set(c0["timings"]), c0
+        assert {"gemm", "router_grad", "fwd_dispatch", "fwd_plan"} <= set(c0["timings"]), c0
+        rec_s, fwd_plan, call_s = c0["plan_s"]  # a split call: the record sums the split's plan and every piece's
+        assert math.isfinite(rec_s) and rec_s > 0 and fwd_plan == rec_s and rec_s == pytest.approx(call_s, rel=1e-9), c0
         assert "must share a dtype" in r["dtypes"]
         want = ["budget_bytes must be a number > 0 (math.inf for no budget), got -1",
                 "budget_bytes must be a number > 0 (math.inf for no budget), got nan",

@@ -152,6 +152,23 @@ def test_ep_lrmoe_c20_metrics_summary_and_files(runs):
     assert (ck["world_size"], ck["ep_size"], ck["step"]) == (2, 2, 6)
 
 
+def test_ep_rows_carry_the_planning_time(runs):
+    """EP rows carry ``moe_plan_s`` (the step's planning over all MoE layers, > 0 and finite) with
+    the other EP keys; the single-process run has no planner and no such key."""
+    import math
+
+    from lrmoe.train.metrics import EP_METRIC_KEYS
+
+    for name in ("fixed", "lrmoe", "resumed"):
+        rows = metrics(runs / name)
+        assert len(rows) == 6, name
+        for r in rows:
+            assert set(EP_METRIC_KEYS) <= set(r), (name, set(EP_METRIC_KEYS) - set(r))
+            assert isinstance(r["moe_plan_s"], float) and math.isfinite(r["moe_plan_s"]) and r["moe_plan_s"] > 0, (
+                name, r["step"], r["moe_plan_s"])
+    assert all("moe_plan_s" not in r for r in metrics(runs / "single"))
+
+
 def test_ep_resume_reproduces_the_uninterrupted_run(runs):
     import json
 
