@@ -20,8 +20,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from lrmoe.planning.plan import (Instance, cap_rows, largest_remainder, make_plan, prefix_split,
-                                 resolve_budget)
+from lrmoe.planning.plan import Instance, cap_rows, make_plan, prefix_split_experts, resolve_budget
 
 
 @dataclass(frozen=True)
@@ -100,11 +99,13 @@ def plan_symi(demand_GE, cluster, dims, budget_bytes, *, state: SymiState | None
     new_state = SymiState(demand_GE.sum(0))
 
     def build(d_GE, row_cap):
-        send = np.zeros((G, len(instances)), dtype=np.int64)
-        for e in range(E):
-            cols = np.flatnonzero(expert_N == e)
-            d_G = d_GE[:, e]
-            send[:, cols] = prefix_split(d_G, largest_remainder(int(d_G.sum()), np.ones(cols.size)))
+        # each expert's pairs split evenly over its slots (largest remainder of equal weights: the
+        # first d_e mod c_e slots take one more), then routed by ordinal prefix
+        d_E = d_GE.sum(0)
+        c_E = np.bincount(expert_N, minlength=E)
+        j_N = np.arange(expert_N.size) - np.searchsorted(expert_N, expert_N)  # slot index within its expert
+        quota_N = d_E[expert_N] // c_E[expert_N] + (j_N < d_E[expert_N] % c_E[expert_N])
+        send = prefix_split_experts(d_GE, expert_N, quota_N)
         cap = None if capacity_factor is None else math.ceil(capacity_factor * int(d_GE.sum()) / (G * S))
         caps = [c for c in (cap, row_cap) if c is not None]
         if caps:

@@ -51,29 +51,37 @@ def ultraep_feasible(tau: int, load_E, owner_E, free_G, domain_G, min_tokens: in
     slack = np.maximum(tau - rank_load, 0)
     if excess.sum() > slack.sum():
         return None
-    free = np.array(free_G, dtype=np.int64)
+    # Scalar Python over the ranks (few; the same integer arithmetic and ties as the array form).
+    G = len(free_G)
+    free = [int(f) for f in free_G]
+    slack = slack.tolist()
+    dom = [int(x) for x in domain_G]
     hosts = [{int(r)} for r in owner_E]
+    loads = load_E.tolist()
     replicas: list[Replica] = []
-    for r in np.argsort(-rank_load, kind="stable"):
+    for r in np.argsort(-rank_load, kind="stable").tolist():
         need = int(excess[r])
         if need == 0:
             break
+        peers = [t for t in range(G) if dom[t] == dom[r]]
         mine = np.flatnonzero(owner_E == r)
-        for e in mine[np.argsort(-load_E[mine], kind="stable")]:
-            available = int(load_E[e]) - 1
+        for e in mine[np.argsort(-load_E[mine], kind="stable")].tolist():
+            available = loads[e] - 1
+            host = hosts[e]
             while need > 0 and available > 0:
-                ok = (free > 0) & (domain_G == domain_G[r])
-                ok[list(hosts[e])] = False
-                if not ok.any():
+                t, best = -1, -1
+                for u in peers:  # the first rank with the most slack among those with a free slot
+                    if free[u] > 0 and u not in host and slack[u] > best:
+                        t, best = u, slack[u]
+                if t < 0:
                     break
-                t = int(np.argmax(np.where(ok, slack, -1)))
-                q = min(max(need, min_tokens) if overshoot else need, int(slack[t]), available)
+                q = min(max(need, min_tokens) if overshoot else need, slack[t], available)
                 if q < min_tokens:
                     break
                 replicas.append((int(e), t, q))
                 slack[t] -= q
                 free[t] -= 1
-                hosts[e].add(t)
+                host.add(t)
                 need -= q
                 available -= q
             if need == 0:

@@ -62,13 +62,26 @@ def _quota(d_E: np.ndarray, n_keep: int, policy: str, options: dict, drop_ratio:
     return quota_for(d_E, n_keep, policy, drop_ratio=drop_ratio if exact else None, **options)
 
 
+def _greedy_context(mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, domain_G) -> dict:
+    """What :func:`_greedy` reads at every threshold, as Python lists (built once per quota)."""
+    G = len(mem_G)
+    dom = [int(x) for x in domain_G]
+    return {"mem": np.asarray(mem_G, dtype=np.float64).tolist(), "free": [int(f) for f in free_G],
+            "owner": [int(r) for r in owner_E], "left": [int(x) for x in d_E],
+            "w": np.asarray(w_E, dtype=np.float64).tolist(), "rb": [float(x) for x in row_bytes_E],
+            "peers": [[t for t in range(G) if dom[t] == dom[r]] for r in range(G)],
+            "mine": [mine[np.argsort(-L_E[mine], kind="stable")].tolist()
+                     for mine in (np.flatnonzero(owner_E == r) for r in range(G))]}
+
+
 def _greedy(tau, cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, domain_G, rep_bytes, budget,
-            min_rows):
+            min_rows, context: dict | None = None):
     """Replicas (expert, rank, rows) that bring every rank to cost <= tau, or None.
 
     Pass 1 sheds every rank's cost excess (ranks by descending cost, their experts by descending
     weighted load); pass 2 then uses the slack left to shed memory from ranks still over the
-    budget (best effort). A receiver never goes over tau nor over the budget."""
+    budget (best effort). A receiver never goes over tau nor over the budget. ``context``: the
+    :func:`_greedy_context` of the same arguments (built here when None)."""
     cost_G = cost_G.astype(np.float64)
     excess = np.maximum(cost_G - tau, 0.0)
     slack = np.maximum(tau - cost_G, 0.0)
@@ -76,14 +89,11 @@ def _greedy(tau, cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, dom
         return None
     # Scalar Python over the G ranks (G is small; numpy per-element calls cost more than they save).
     # Every operation is the same IEEE double arithmetic as the array form, in the same order.
-    G = len(cost_G)
+    ctx = context or _greedy_context(mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, domain_G)
     slack = slack.tolist()
-    mem = mem_G.astype(np.float64).tolist()
-    free = [int(f) for f in free_G]
-    dom = [int(x) for x in domain_G]
-    hosts = [{int(r)} for r in owner_E]
-    left = [int(x) for x in d_E]  # rows of each expert not moved yet
-    wl, rbl = w_E.tolist(), [float(x) for x in row_bytes_E]
+    mem, free, left = list(ctx["mem"]), list(ctx["free"]), list(ctx["left"])  # left: rows not moved yet
+    owner, wl, rbl, peers_G, mine_G = ctx["owner"], ctx["w"], ctx["rb"], ctx["peers"], ctx["mine"]
+    extra: dict[int, set] = {}  # replica hosts of every expert given one (its owner hosts it too)
     rep_bytes = float(rep_bytes)
     finite = math.isfinite(budget)
     replicas = []
@@ -91,15 +101,15 @@ def _greedy(tau, cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, dom
     def shed(r, need):
         """Move rows off rank r until its cost excess ``need`` is gone (and, in pass 2, its memory
         is within budget); returns the cost excess left."""
-        mine = np.flatnonzero(owner_E == r)
-        peers = [t for t in range(G) if dom[t] == dom[r]]
-        for e in mine[np.argsort(-L_E[mine], kind="stable")].tolist():
-            w, rb, host = wl[e], rbl[e], hosts[e]
+        peers = peers_G[r]
+        for e in mine_G[r]:
+            w, rb, own = wl[e], rbl[e], owner[e]
+            host = extra.setdefault(e, set())
             while (need > _EPS or mem[r] > budget) and left[e] > 0:
                 t, best = -1, -1.0
                 for u in peers:  # the first rank with the most slack among the eligible ones
                     if free[u] > 0 and slack[u] >= w - _EPS and mem[u] + rep_bytes + rb <= budget \
-                            and u not in host and slack[u] > best:
+                            and u != own and u not in host and slack[u] > best:
                         t, best = u, slack[u]
                 if t < 0:
                     break
@@ -146,66 +156,13 @@ def _instance_quotas(q_E, rows_E, ranks_E, G: int, backward_weight: float, tau: 
     cost target is a bipartite feasibility problem (leftover units of each expert -> ranks, at
     most one per instance, at most cap_r = floor((target - base_r) / B) per rank), solved
     exactly by an integral max flow (``scipy.sparse.csgraph.maximum_flow``). Deterministic."""
-    from scipy.sparse import csr_matrix
-    from scipy.sparse.csgraph import maximum_flow
-
-    E = len(rows_E)
     ranks_E = [np.asarray(r, dtype=np.int64) for r in ranks_E]
-
-    def per_rank(values_E) -> np.ndarray:  # sum of per-instance values on every rank
-        out = np.zeros(G)
-        for e in range(E):
-            np.add.at(out, ranks_E[e], values_E[e])
-        return out
-
     rows_E = [np.asarray(r, dtype=np.int64) for r in rows_E]
-    d_E = [int(r.sum()) for r in rows_E]
-    floors = [r * int(q_E[e]) // d_E[e] if d_E[e] else np.zeros_like(r) for e, r in enumerate(rows_E)]
-    fractional = [r * int(q_E[e]) % d_E[e] != 0 if d_E[e] else np.zeros(len(r), dtype=bool)
-                  for e, r in enumerate(rows_E)]
-    exact = [largest_remainder(int(q_E[e]), rows_E[e]) if d_E[e] else floors[e] for e in range(E)]
-    units_E = np.array([int(q_E[e]) - int(floors[e].sum()) for e in range(E)])
-    F_G = per_rank(rows_E)
-    if backward_weight <= 0 or units_E.sum() == 0 or (F_G + backward_weight * per_rank(exact)).max(initial=0.0) \
-            <= tau + _EPS:
-        return exact
-    base_G = F_G + backward_weight * per_rank(floors)
-    cand_G = per_rank(fractional).astype(np.int64)  # instances on each rank that may take one more unit
-    experts = [e for e in range(E) if units_E[e] > 0]
-    # nodes: 0 source, 1..len(experts) experts, then G ranks, then the sink
-    src, sink = 0, len(experts) + G + 1
-    edges = [(src, 1 + i, int(units_E[e])) for i, e in enumerate(experts)]
-    edges += [(1 + i, 1 + len(experts) + int(r), 1) for i, e in enumerate(experts)
-              for r, frac in zip(ranks_E[e], fractional[e]) if frac]
-
-    def flow_at(target):
-        caps = np.minimum(np.floor((target - base_G) / backward_weight + _EPS), cand_G).clip(0).astype(np.int64)
-        all_edges = edges + [(1 + len(experts) + r, sink, int(caps[r])) for r in range(G)]
-        u, v, c = (np.array(x, dtype=np.int32) for x in zip(*all_edges))
-        graph = csr_matrix((c, (u, v)), shape=(sink + 1, sink + 1))
-        res = maximum_flow(graph, src, sink)
-        return res if res.flow_value == int(units_E.sum()) else None
-
-    # The executed maximum is one of the values base_r + B k: binary search for the smallest one
-    # that admits a flow (the largest always does: every rank uncapped).
-    targets = sorted({float(b + backward_weight * k) for b, n in zip(base_G, cand_G) for k in range(int(n) + 1)})
-    targets = [t for t in targets if t >= base_G.max() - _EPS]
-    lo, hi = 0, len(targets) - 1
-    best = flow_at(targets[hi])
-    while lo < hi:
-        mid = (lo + hi) // 2
-        res = flow_at(targets[mid])
-        lo, hi, best = (lo, mid, res) if res is not None else (mid + 1, hi, best)
-    flow = best.flow.tocsr()
-    out = []
-    i_of = {e: i for i, e in enumerate(experts)}
-    for e in range(E):
-        parts = floors[e].copy()
-        if e in i_of:
-            for j, r in enumerate(ranks_E[e]):
-                parts[j] += int(flow[1 + i_of[e], 1 + len(experts) + int(r)])
-        out.append(parts)
-    return out
+    sizes = [len(r) for r in rows_E]
+    expert_N = np.repeat(np.arange(len(rows_E)), sizes)
+    kept_N = _instance_quotas_flat(q_E, np.concatenate(rows_E + [np.zeros(0, np.int64)]), expert_N,
+                                   np.concatenate(ranks_E + [np.zeros(0, np.int64)]), G, backward_weight, tau)
+    return np.split(kept_N, np.cumsum(sizes)[:-1]) if sizes else []
 
 
 def _plan_with_quota(d_GE, q_E, cluster: Cluster, dims: ModelDims, budget, *, free_G, owner_E, backward_weight,
@@ -228,10 +185,11 @@ def _plan_with_quota(d_GE, q_E, cluster: Cluster, dims: ModelDims, budget, *, fr
             instance_bytes(dims, replica=True), budget, min_rows)
     top = math.ceil(cost_G.max(initial=0.0))
     memo: dict[int, list | None] = {}
+    context = _greedy_context(*args[1:9])
 
     def greedy(tau):
         if tau not in memo:
-            memo[tau] = _greedy(tau, *args)
+            memo[tau] = _greedy(tau, *args, context=context)
         return memo[tau]
 
     lo, hi = math.floor(cost_G.sum() / G), top
@@ -271,30 +229,64 @@ def _plan_with_quota(d_GE, q_E, cluster: Cluster, dims: ModelDims, budget, *, fr
 
 
 def _instance_quotas_flat(q_E, rows_N, expert_N, rank_N, G: int, backward_weight: float, tau: float) -> np.ndarray:
-    """:func:`_instance_quotas` over flat per-instance arrays (instances of the
-    :func:`lrmoe.planning.plan.replica_instances` layout): the kept rows of every instance.
-
-    The common case (largest remainder meets ``tau``) is vectorised; otherwise the per-expert
-    lists are built and :func:`_instance_quotas` decides (same result either way)."""
+    """:func:`_instance_quotas` over flat per-instance arrays (the instances of expert e are those
+    with ``expert_N == e``, in array order; at most one per rank): the kept rows of every instance."""
     q_E = np.asarray(q_E, dtype=np.int64)
     rows_N = np.asarray(rows_N, dtype=np.int64)
+    expert_N = np.asarray(expert_N, dtype=np.int64)
+    rank_N = np.asarray(rank_N, dtype=np.int64)
     E = q_E.size
     d_E = np.bincount(expert_N, weights=rows_N, minlength=E).astype(np.int64)
     d_N, q_N = d_E[expert_N], q_E[expert_N]
-    floors_N = np.where(d_N > 0, rows_N * q_N // np.where(d_N > 0, d_N, 1), 0)
-    units = int(q_E.sum()) - int(floors_N.sum())
+    safe_N = np.where(d_N > 0, d_N, 1)
+    floors_N = np.where(d_N > 0, rows_N * q_N // safe_N, 0)
+    fractional_N = (d_N > 0) & (rows_N * q_N % safe_N != 0)
+    units_E = q_E - np.bincount(expert_N, weights=floors_N, minlength=E).astype(np.int64)
     exact_N = largest_remainder_groups(np.where(d_E > 0, q_E, 0), rows_N, expert_N)
-    cost_G = np.bincount(rank_N, weights=rows_N, minlength=G) + backward_weight * np.bincount(
-        rank_N, weights=exact_N, minlength=G)
-    if backward_weight <= 0 or units == 0 or cost_G.max(initial=0.0) <= tau + _EPS:
+    F_G = np.bincount(rank_N, weights=rows_N, minlength=G)
+    if backward_weight <= 0 or units_E.sum() == 0 or (
+            F_G + backward_weight * np.bincount(rank_N, weights=exact_N, minlength=G)).max(initial=0.0) <= tau + _EPS:
         return exact_N
-    order = np.argsort(expert_N, kind="stable")  # per expert: owner first, then its replicas in order
-    bounds = np.searchsorted(expert_N[order], np.arange(E + 1))
-    cols_E = [order[bounds[e]:bounds[e + 1]] for e in range(E)]
-    kept_E = _instance_quotas(q_E, [rows_N[c] for c in cols_E], [rank_N[c] for c in cols_E], G, backward_weight, tau)
-    out = np.zeros_like(rows_N)
-    for c, k in zip(cols_E, kept_E):
-        out[c] = k
+    from scipy.sparse import csr_matrix
+    from scipy.sparse.csgraph import maximum_flow
+
+    base_G = F_G + backward_weight * np.bincount(rank_N, weights=floors_N, minlength=G)
+    cand_G = np.bincount(rank_N, weights=fractional_N, minlength=G).astype(np.int64)  # may take one more unit
+    experts = np.flatnonzero(units_E > 0)
+    node_E = np.zeros(E, dtype=np.int64)
+    node_E[experts] = 1 + np.arange(experts.size)
+    # nodes: 0 source, 1..len(experts) experts, then G ranks, then the sink; edges: source -> expert,
+    # then expert -> rank per expert in instance order, then rank -> sink
+    src, sink = 0, experts.size + G + 1
+    order = np.argsort(expert_N, kind="stable")
+    order = order[fractional_N[order] & (units_E[expert_N[order]] > 0)]
+    u0 = np.r_[np.full(experts.size, src), node_E[expert_N[order]]]
+    v0 = np.r_[1 + np.arange(experts.size), 1 + experts.size + rank_N[order]]
+    c0 = np.r_[units_E[experts], np.ones(order.size, dtype=np.int64)]
+
+    def flow_at(target):
+        caps = np.minimum(np.floor((target - base_G) / backward_weight + _EPS), cand_G).clip(0).astype(np.int64)
+        u = np.r_[u0, 1 + experts.size + np.arange(G)].astype(np.int32)
+        v = np.r_[v0, np.full(G, sink)].astype(np.int32)
+        c = np.r_[c0, caps].astype(np.int32)
+        graph = csr_matrix((c, (u, v)), shape=(sink + 1, sink + 1))
+        res = maximum_flow(graph, src, sink)
+        return res if res.flow_value == int(units_E.sum()) else None
+
+    # The executed maximum is one of the values base_r + B k: binary search for the smallest one
+    # that admits a flow (the largest always does: every rank uncapped).
+    targets = sorted({float(b + backward_weight * k) for b, n in zip(base_G, cand_G) for k in range(int(n) + 1)})
+    targets = [t for t in targets if t >= base_G.max() - _EPS]
+    lo, hi = 0, len(targets) - 1
+    best = flow_at(targets[hi])
+    while lo < hi:
+        mid = (lo + hi) // 2
+        res = flow_at(targets[mid])
+        lo, hi, best = (lo, mid, res) if res is not None else (mid + 1, hi, best)
+    flow = best.flow.tocsr()
+    has = units_E[expert_N] > 0
+    out = floors_N.copy()
+    out[has] += np.asarray(flow[node_E[expert_N[has]], 1 + experts.size + rank_N[has]]).ravel().astype(np.int64)
     return out
 
 

@@ -297,6 +297,24 @@ def prefix_split(d_G, quota_N) -> np.ndarray:
     return np.clip(np.minimum(s_end[:, None], n_end[None, :]) - lo, 0, None)
 
 
+def prefix_split_experts(d_GE, expert_N, quota_N) -> np.ndarray:
+    """:func:`prefix_split` of every expert at once: ``send[:, cols_e] == prefix_split(d_GE[:, e],
+    quota_N[cols_e])`` for every expert e, cols_e its instance columns in ascending order."""
+    d_GE = np.asarray(d_GE, dtype=np.int64)
+    expert_N = np.asarray(expert_N, dtype=np.int64)
+    quota_N = np.asarray(quota_N, dtype=np.int64)
+    s_end_GN = np.cumsum(d_GE, 0)[:, expert_N]
+    s_start_GN = s_end_GN - d_GE[:, expert_N]
+    order = np.argsort(expert_N, kind="stable")
+    csum = np.cumsum(quota_N[order])
+    group_start = np.searchsorted(expert_N[order], expert_N[order])  # first position of each one's expert
+    before = np.where(group_start > 0, csum[np.maximum(group_start - 1, 0)], 0)
+    n_end_N = np.empty_like(quota_N)
+    n_end_N[order] = csum - before
+    n_start_N = n_end_N - quota_N
+    return np.clip(np.minimum(s_end_GN, n_end_N[None, :]) - np.maximum(s_start_GN, n_start_N[None, :]), 0, None)
+
+
 def locality_split(d_G, rank_N, quota_N, rest: int = 0) -> np.ndarray:
     """Per-source split of one expert's pairs over its instances (UltraEP's rule).
 

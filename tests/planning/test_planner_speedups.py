@@ -8,6 +8,7 @@ import pytest
 
 from lrmoe.planning import Cluster, ModelDims
 from lrmoe.planning import lrmoe_plan as L
+from lrmoe.planning.reference import lrmoe_plan as R
 from lrmoe.planning.plan import (largest_remainder, largest_remainder_cols, largest_remainder_groups, locality_split,
                                  locality_split_replicas)
 from lrmoe.planning.policies import plan_placement
@@ -119,10 +120,12 @@ def test_instance_quotas_flat_equals_lists(seed, kind):
     F_G = np.bincount(rank_N, weights=rows_N, minlength=G)
     for bw in (0.0, 2.0):
         for tau in (0.0, float(F_G.max(initial=0.0)) + bw * float(q_E.max(initial=0)), math.inf):
-            want = L._instance_quotas(q_E, [rows_N[c] for c in cols_E], [rank_N[c] for c in cols_E], G, bw, tau)
+            rows_E, ranks_E = [rows_N[c] for c in cols_E], [rank_N[c] for c in cols_E]
+            want = R._instance_quotas(q_E, rows_E, ranks_E, G, bw, tau)  # the code before the speed-ups
             got = L._instance_quotas_flat(q_E, rows_N, expert_N, rank_N, G, bw, tau)
-            for c, k in zip(cols_E, want):
+            for c, k, k2 in zip(cols_E, want, L._instance_quotas(q_E, rows_E, ranks_E, G, bw, tau)):
                 np.testing.assert_array_equal(got[c], k)
+                np.testing.assert_array_equal(k2, k)
 
 
 def skewed_demand(rng, G, E, kind):
@@ -158,3 +161,48 @@ def test_fast_planners_equal_reference(seed, kind):
                 np.testing.assert_array_equal(getattr(p, a), getattr(r, a), err_msg=f"{name} {opts} {frac} {a}")
             np.testing.assert_array_equal(p.memory.total_G, r.memory.total_G)
             assert (p.fallback, p.num_splits, p.over_budget) == (r.fallback, r.num_splits, r.over_budget)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefix_split_experts_equals_loop(seed, kind):
+    from lrmoe.planning.plan import prefix_split, prefix_split_experts
+    rng = np.random.default_rng(400 + seed)
+    G, E = int(rng.integers(1, 9)), int(rng.integers(1, 20))
+    d = weights(rng, G, E, kind)
+    expert_N = rng.permutation(np.r_[np.arange(E), rng.integers(0, E, int(rng.integers(0, 2 * E)))])
+    quota_N = np.zeros(expert_N.size, dtype=np.int64)
+    for e in range(E):
+        cols = np.flatnonzero(expert_N == e)
+        cuts = np.sort(rng.integers(0, int(d[:, e].sum()) + 1, cols.size - 1))
+        quota_N[cols] = np.diff(np.r_[0, cuts, int(d[:, e].sum())])
+    got = prefix_split_experts(d, expert_N, quota_N)
+    want = np.zeros_like(got)
+    for e in range(E):
+        cols = np.flatnonzero(expert_N == e)
+        want[:, cols] = prefix_split(d[:, e], quota_N[cols])
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_symi_and_fixed_equal_reference(seed):
+    rng = np.random.default_rng(500 + seed)
+    G = (1, 2, 4)[seed % 3]
+    E = G * int(rng.integers(1, 4))
+    dims = ModelDims(hidden=32, intermediate=16, num_experts=E, top_k=1)
+    cl = Cluster(num_ranks=G, slots_per_rank=E // G + int(rng.integers(0, 4)))
+    d = skewed_demand(rng, G, E, ("random", "empty", "hot")[seed % 3])
+    d2 = skewed_demand(rng, G, E, "random")
+    peak = plan_placement("symi", d, cl, dims, math.inf).memory.peak
+    for frac in (math.inf, 0.9, 0.6):
+        budget = frac * max(peak, 1)
+        for name, opts in (("symi", {}), ("symi", {"capacity_factor": None}), ("fixed", {}),
+                           ("fixed", {"capacity_factor": 1.0})):
+            p = plan_placement(name, d, cl, dims, budget, **opts)
+            r = reference_plan(name, d, cl, dims, budget, **opts)
+            if name == "symi":  # the second step plans from the first one's popularity
+                p = plan_placement(name, d2, cl, dims, budget, state=p.state, **opts)
+                r = reference_plan(name, d2, cl, dims, budget, state=r.state, **opts)
+            for a in ("send_GN", "backward_quota_GN", "dropped_GE", "expert_N", "rank_N", "is_replica_N"):
+                np.testing.assert_array_equal(getattr(p, a), getattr(r, a), err_msg=f"{name} {opts} {frac} {a}")
+            assert (p.fallback, p.num_splits) == (r.fallback, r.num_splits)
