@@ -14,12 +14,13 @@ is chosen.
 """
 from __future__ import annotations
 
+import heapq
 import math
 
 import numpy as np
 
-from lrmoe.planning.plan import (cap_rows, largest_remainder, locality_split_replicas, make_plan, owned_layout,
-                                 replica_instances, resolve_budget)
+from lrmoe.planning.plan import (cap_rows, locality_split_replicas, make_plan, owned_layout, replica_instances,
+                                 resolve_budget)
 
 Replica = tuple[int, int, int]  # (expert, host rank, quota rows)
 
@@ -56,7 +57,8 @@ def ultraep_feasible(tau: int, load_E, owner_E, free_G, domain_G, min_tokens: in
     free = [int(f) for f in free_G]
     slack = slack.tolist()
     dom = [int(x) for x in domain_G]
-    hosts = [{int(r)} for r in owner_E]
+    owner = owner_E.tolist() if isinstance(owner_E, np.ndarray) else [int(r) for r in owner_E]
+    hosts: dict[int, set] = {}  # replica hosts so far (the owner hosts every expert too)
     loads = load_E.tolist()
     replicas: list[Replica] = []
     for r in np.argsort(-rank_load, kind="stable").tolist():
@@ -67,11 +69,11 @@ def ultraep_feasible(tau: int, load_E, owner_E, free_G, domain_G, min_tokens: in
         mine = np.flatnonzero(owner_E == r)
         for e in mine[np.argsort(-load_E[mine], kind="stable")].tolist():
             available = loads[e] - 1
-            host = hosts[e]
+            host, own = hosts.setdefault(e, set()), owner[e]
             while need > 0 and available > 0:
                 t, best = -1, -1
                 for u in peers:  # the first rank with the most slack among those with a free slot
-                    if free[u] > 0 and u not in host and slack[u] > best:
+                    if free[u] > 0 and u != own and u not in host and slack[u] > best:
                         t, best = u, slack[u]
                 if t < 0:
                     break
@@ -135,30 +137,48 @@ def eplb_replicas(load_E, owner_E, free_G, domain_G) -> list[tuple[int, int]]:
     dom_E = domain_G[owner_E]
     domain_size = np.bincount(domain_G, minlength=G)[dom_E]
     dom_free = np.bincount(domain_G, weights=np.asarray(free_G, dtype=np.float64), minlength=G).astype(np.int64)
-    n = np.ones(len(load), dtype=np.int64)
+    # Replica counts: a heap of (-load/instances, expert) gives argmax's pick (the largest share,
+    # ties to the lower index); an expert found ineligible (all domain ranks host it, or its
+    # domain has no free slot left) stays so, and is dropped from the heap.
+    loads = load.tolist()
+    n = [1] * len(loads)
+    size = domain_size.tolist()
+    dfree = dom_free.tolist()
+    dom_e = dom_E.tolist()
+    heap = [(-x, e) for e, x in enumerate(loads)]
+    heapq.heapify(heap)
     for _ in range(int(np.sum(free_G))):
-        share = np.where((n < domain_size) & (dom_free[dom_E] > 0), load / n, -1.0)
-        e = int(np.argmax(share))
-        if share[e] <= 0:
+        while heap and not (n[heap[0][1]] < size[heap[0][1]] and dfree[dom_e[heap[0][1]]] > 0):
+            heapq.heappop(heap)
+        if not heap or -heap[0][0] <= 0:
             break
+        e = heapq.heappop(heap)[1]
         n[e] += 1
-        dom_free[dom_E[e]] -= 1
+        dfree[dom_e[e]] -= 1
+        heapq.heappush(heap, (-(loads[e] / n[e]), e))
+    n = np.array(n, dtype=np.int64)
     share = load / n
-    rank_load = np.bincount(owner_E, weights=share, minlength=G)
-    free = np.array(free_G, dtype=np.int64)
-    hosts = [{int(r)} for r in owner_E]
+    rank_load = np.bincount(owner_E, weights=share, minlength=G).tolist()
+    free = [int(f) for f in free_G]
+    owner = [int(r) for r in owner_E]
+    doms = [int(x) for x in domain_G]
+    peers = {d: [t for t in range(G) if doms[t] == d] for d in set(dom_e)}
+    hosts: dict[int, set] = {}  # replica hosts so far (the owner hosts every expert too)
     wanted = np.repeat(np.arange(len(load)), n - 1)
+    shares = share.tolist()
     placed = []
-    for e in wanted[np.argsort(-share[wanted], kind="stable")]:
-        ok = (free > 0) & (domain_G == dom_E[e])
-        ok[list(hosts[e])] = False
-        if not ok.any():
+    for e in wanted[np.argsort(-share[wanted], kind="stable")].tolist():
+        host = hosts.setdefault(e, set())
+        t, best = -1, math.inf
+        for u in peers[dom_e[e]]:  # the first least-loaded rank with a free slot not hosting e
+            if free[u] > 0 and u != owner[e] and u not in host and (t < 0 or rank_load[u] < best):
+                t, best = u, rank_load[u]
+        if t < 0:
             continue
-        t = int(np.argmin(np.where(ok, rank_load, np.inf)))
         placed.append((int(e), t))
-        rank_load[t] += share[e]
+        rank_load[t] += shares[e]
         free[t] -= 1
-        hosts[e].add(t)
+        host.add(t)
     return placed
 
 
@@ -167,9 +187,8 @@ def _replica_plan(policy, demand_GE, cluster, dims, budget_bytes, hosts_E, quota
     instances, cols_E = replica_instances(cluster, dims, hosts_E, policy)
     rank_N = np.array([i.rank for i in instances], dtype=np.int64)
     expert_N = np.array([i.expert for i in instances], dtype=np.int64)
-    quota_N = np.zeros(len(instances), dtype=np.int64)
-    for cols, q in zip(cols_E, quotas_E):
-        quota_N[cols] = q
+    quota_N = np.concatenate([np.asarray(q, dtype=np.int64) for q in quotas_E] + [np.zeros(0, np.int64)])
+    quota_N = quota_N[np.argsort(np.concatenate([c for c in cols_E] + [[]]).astype(np.int64), kind="stable")]
     send = locality_split_replicas(demand_GE, expert_N, rank_N, quota_N)
     if row_cap is not None:
         send = cap_rows(send, row_cap)
@@ -223,7 +242,10 @@ def plan_ultraep_greedy(demand_GE, cluster, dims, budget_bytes, *, state=None, r
         hosts_E = [[] for _ in load_E]
         for e, t in eplb_replicas(load_E, owner_E, free_G, domain_G):
             hosts_E[e].append(t)
-        quotas_E = [largest_remainder(int(load_E[e]), np.ones(1 + len(hosts_E[e]))) for e in range(len(load_E))]
+        # largest remainder over equal weights: the first load mod c instances take one more
+        c_E = 1 + np.array([len(h) for h in hosts_E], dtype=np.int64)
+        base_E, extra_E = np.divmod(load_E, c_E)
+        quotas_E = [base_E[e] + (np.arange(c_E[e]) < extra_E[e]) for e in range(len(load_E))]
         return _replica_plan("ultraep_greedy", d_GE, cluster, dims, budget_bytes, hosts_E, quotas_E, row_cap, {})
 
     return resolve_budget(build, demand_GE, budget_bytes, fallback, max_split)

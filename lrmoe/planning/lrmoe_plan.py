@@ -43,8 +43,8 @@ import math
 
 import numpy as np
 
-from .memory import instance_bytes, token_row_bytes
-from .plan import (Cluster, ModelDims, largest_remainder, largest_remainder_cols, largest_remainder_groups,
+from .memory import instance_bytes, plan_memory, token_row_bytes
+from .plan import (Cluster, ModelDims, Plan, largest_remainder, largest_remainder_cols, largest_remainder_groups,
                    locality_split_replicas, make_plan, owned_layout, replica_instances, resolve_budget)
 from .quota import check_drop_ratio, compute_quota, quota_for, retained_total
 
@@ -197,7 +197,7 @@ def _plan_with_quota(d_GE, q_E, cluster: Cluster, dims: ModelDims, budget, *, fr
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if greedy(mid) is not None else (mid + 1, hi)
     info = {**info, "threshold_cost": hi}
-    plan = _assemble(d_GE, q_E, greedy(hi), hi, cluster, dims, budget, backward_weight, info)
+    plan = _candidate(d_GE, q_E, greedy(hi), hi, cluster, dims, budget, backward_weight, info)
     if plan.fits or not math.isfinite(budget):
         return plan
 
@@ -207,7 +207,7 @@ def _plan_with_quota(d_GE, q_E, cluster: Cluster, dims: ModelDims, budget, *, fr
     # threshold is tried first, so quotas that cannot fit at all cost one extra plan only.
     def fitting(tau):
         reps = greedy(tau)
-        p = None if reps is None else _assemble(d_GE, q_E, reps, tau, cluster, dims, budget, backward_weight, info)
+        p = None if reps is None else _candidate(d_GE, q_E, reps, tau, cluster, dims, budget, backward_weight, info)
         return p if p is not None and p.fits else None
 
     if hi == top or fitting(top) is None:
@@ -220,7 +220,7 @@ def _plan_with_quota(d_GE, q_E, cluster: Cluster, dims: ModelDims, budget, *, fr
             bad, step = tau, 2 * step
     if found is None:
         return plan
-    good = found.info["threshold"]
+    good = found.tau
     while good - bad > 1:
         mid = (bad + good) // 2
         p = fitting(mid)
@@ -290,27 +290,58 @@ def _instance_quotas_flat(q_E, rows_N, expert_N, rank_N, G: int, backward_weight
     return out
 
 
-def _assemble(d_GE, q_E, replicas, tau, cluster: Cluster, dims: ModelDims, budget, backward_weight, info):
-    """The plan of the greedy's replicas at threshold ``tau``: instances, locality-first routing and
-    per-(source, instance) backward quotas."""
+@dataclasses.dataclass
+class _Candidate:
+    """The counts of one candidate plan and its memory; :meth:`plan` assembles the checked Plan
+    (only the plan a search returns is assembled: the searches read ``fits`` alone)."""
+
+    d_GE: np.ndarray
+    q_E: np.ndarray
+    hosts_E: list
+    send: np.ndarray
+    quota: np.ndarray
+    tau: int
+    fits: bool
+    args: tuple
+
+    def plan(self) -> Plan:
+        cluster, dims, budget, backward_weight, info = self.args
+        instances, _ = replica_instances(cluster, dims, self.hosts_E, "lrmoe")
+        d_E, n_keep = self.d_GE.sum(0), int(self.q_E.sum())
+        info = {**info, "threshold": self.tau, "quota_E": self.q_E, "n_keep": n_keep,
+                "backward_weight": backward_weight, "drop_ratio_effective": 1.0 - n_keep / max(int(d_E.sum()), 1)}
+        return make_plan("lrmoe", self.d_GE, cluster, dims, budget, instances, self.send, self.quota, info=info)
+
+
+def _candidate(d_GE, q_E, replicas, tau, cluster: Cluster, dims: ModelDims, budget, backward_weight,
+               info) -> _Candidate:
+    """The greedy's replicas at threshold ``tau``: locality-first routing, per-(source, instance)
+    backward quotas and the memory they need (instances in the order of
+    :func:`lrmoe.planning.plan.replica_instances`: owners, then replicas by expert)."""
     G, E = d_GE.shape
     d_E = d_GE.sum(0)
     hosts_E = [[] for _ in range(E)]
     for e, t, _ in replicas:
         hosts_E[e].append(t)
-    instances, _ = replica_instances(cluster, dims, hosts_E, "lrmoe")
-    rank_N = np.array([i.rank for i in instances], dtype=np.int64)
-    expert_N = np.array([i.expert for i in instances], dtype=np.int64)
-    rep = np.array([(e, x) for e, _, x in replicas], dtype=np.int64).reshape(-1, 2)
+    rep = np.array([(e, t, x) for e, t, x in replicas], dtype=np.int64).reshape(-1, 3)
     rep = rep[np.argsort(rep[:, 0], kind="stable")]  # replica columns follow expert order
-    rows_N = np.concatenate([d_E, rep[:, 1]])
-    np.subtract.at(rows_N, rep[:, 0], rep[:, 1])
+    epr = owned_layout(cluster, dims, "lrmoe")
+    expert_N = np.concatenate([np.arange(E), rep[:, 0]])
+    rank_N = np.concatenate([np.arange(E) // epr, rep[:, 1]])
+    rows_N = np.concatenate([d_E, rep[:, 2]])
+    np.subtract.at(rows_N, rep[:, 0], rep[:, 2])
     send = locality_split_replicas(d_GE, expert_N, rank_N, rows_N)
     kept_N = _instance_quotas_flat(q_E, rows_N, expert_N, rank_N, G, backward_weight, tau)
     quota = largest_remainder_cols(kept_N, send)
-    info = {**info, "threshold": tau, "quota_E": q_E, "n_keep": int(q_E.sum()), "backward_weight": backward_weight,
-            "drop_ratio_effective": 1.0 - int(q_E.sum()) / max(int(d_E.sum()), 1)}
-    return make_plan("lrmoe", d_GE, cluster, dims, budget, instances, send, quota, info=info)
+    mem = plan_memory(dims, G, rank_N, np.arange(expert_N.size) >= E, send, quota, pairs_G=d_GE.sum(1))
+    return _Candidate(d_GE, q_E, hosts_E, send, quota, tau, mem.peak <= budget,
+                      (cluster, dims, budget, backward_weight, info))
+
+
+def _assemble(d_GE, q_E, replicas, tau, cluster: Cluster, dims: ModelDims, budget, backward_weight, info):
+    """The plan of the greedy's replicas at threshold ``tau``: instances, locality-first routing and
+    per-(source, instance) backward quotas."""
+    return _candidate(d_GE, q_E, replicas, tau, cluster, dims, budget, backward_weight, info).plan()
 
 
 def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio: float = 0.0,
@@ -356,15 +387,15 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
         hi_keep = retained_total(P, drop_ratio)
         plan = plan_keep(d_GE, hi_keep)
         if plan.fits:
-            return plan
+            return plan.plan()
         lo_keep = retained_total(P, max_drop_ratio)
         best = plan_keep(d_GE, lo_keep)
         if not best.fits:
-            return plan  # quotas alone cannot make it fit: resolve_budget splits or reports oom
+            return plan.plan()  # quotas alone cannot make it fit: resolve_budget splits or reports oom
         while hi_keep - lo_keep > 1:  # lo_keep fits, hi_keep does not
             mid = (lo_keep + hi_keep) // 2
             p = plan_keep(d_GE, mid)
             lo_keep, hi_keep, best = (mid, hi_keep, p) if p.fits else (lo_keep, mid, best)
-        return dataclasses.replace(best, over_budget=True, fallback="shrink_quota")
+        return dataclasses.replace(best.plan(), over_budget=True, fallback="shrink_quota")
 
     return resolve_budget(build, demand_GE, budget_bytes, fallback, max_split)

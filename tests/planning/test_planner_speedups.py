@@ -206,3 +206,30 @@ def test_symi_and_fixed_equal_reference(seed):
             for a in ("send_GN", "backward_quota_GN", "dropped_GE", "expert_N", "rank_N", "is_replica_N"):
                 np.testing.assert_array_equal(getattr(p, a), getattr(r, a), err_msg=f"{name} {opts} {frac} {a}")
             assert (p.fallback, p.num_splits) == (r.fallback, r.num_splits)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_ultraep_solvers_equal_reference(seed):
+    """ultraep_feasible at every threshold of the search range, ultraep_threshold and eplb_replicas:
+    the reference's results (odd loads, zero-load experts, one hot expert, two fast domains)."""
+    from baselines import ultraep as U
+    from lrmoe.planning.reference import ultraep as RU
+    rng = np.random.default_rng(600 + seed)
+    G = (2, 4, 8, 16)[seed % 4]
+    epr = int(rng.integers(1, 4))
+    E = G * epr
+    load = rng.integers(0, 3000, E)
+    load[rng.random(E) < 0.2] = 0
+    if seed % 3 == 0:
+        load[int(rng.integers(E))] *= 20
+    owner = np.arange(E) // epr
+    free = np.full(G, int(rng.integers(0, 4)))
+    domain = np.arange(G) // max(G // 2, 1) if seed % 2 else np.zeros(G, dtype=np.int64)
+    rank_load = np.bincount(owner, weights=load, minlength=G)
+    lo, hi = int(rank_load.sum() // G), int(rank_load.max())
+    for tau in np.unique(np.linspace(lo, hi, 15).astype(np.int64)):
+        for mt, over in ((1, True), (64, True), (64, False)):
+            assert U.ultraep_feasible(int(tau), load, owner, free, domain, mt, over) == \
+                RU.ultraep_feasible(int(tau), load, owner, free, domain, mt, over)
+    assert U.ultraep_threshold(load, owner, free, domain, 64) == RU.ultraep_threshold(load, owner, free, domain, 64)
+    assert U.eplb_replicas(load, owner, free, domain) == RU.eplb_replicas(load, owner, free, domain)
