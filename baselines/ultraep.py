@@ -61,13 +61,18 @@ def ultraep_feasible(tau: int, load_E, owner_E, free_G, domain_G, min_tokens: in
     hosts: dict[int, set] = {}  # replica hosts so far (the owner hosts every expert too)
     loads = load_E.tolist()
     replicas: list[Replica] = []
+    by_rank = None
     for r in np.argsort(-rank_load, kind="stable").tolist():
         need = int(excess[r])
         if need == 0:
             break
-        peers = [t for t in range(G) if dom[t] == dom[r]]
-        mine = np.flatnonzero(owner_E == r)
-        for e in mine[np.argsort(-load_E[mine], kind="stable")].tolist():
+        if by_rank is None:  # every rank's experts by descending load, ties to the lower index
+            by_load = np.argsort(-load_E, kind="stable")
+            by_rank = by_load[np.argsort(np.asarray(owner_E)[by_load], kind="stable")].tolist()
+            starts = np.r_[0, np.cumsum(np.bincount(owner_E, minlength=G))].tolist()
+            peers_of = {d: [t for t in range(G) if dom[t] == d] for d in set(dom)}
+        peers = peers_of[dom[r]]
+        for e in by_rank[starts[r]:starts[r + 1]]:
             available = loads[e] - 1
             host, own = hosts.setdefault(e, set()), owner[e]
             while need > 0 and available > 0:
