@@ -264,12 +264,18 @@ def _instance_quotas_flat(q_E, rows_N, expert_N, rank_N, G: int, backward_weight
     v0 = np.r_[1 + np.arange(experts.size), 1 + experts.size + rank_N[order]]
     c0 = np.r_[units_E[experts], np.ones(order.size, dtype=np.int64)]
 
+    # One graph; every target only changes the rank -> sink capacities (explicit zeros stay
+    # entries, as they do when the graph is built anew). A rank node's row holds that one edge.
+    u = np.r_[u0, 1 + experts.size + np.arange(G)].astype(np.int32)
+    v = np.r_[v0, np.full(G, sink)].astype(np.int32)
+    template = csr_matrix((np.r_[c0, np.zeros(G, dtype=np.int64)].astype(np.int32), (u, v)),
+                          shape=(sink + 1, sink + 1))
+    cap_pos = template.indptr[1 + experts.size + np.arange(G)]
+
     def flow_at(target):
         caps = np.minimum(np.floor((target - base_G) / backward_weight + _EPS), cand_G).clip(0).astype(np.int64)
-        u = np.r_[u0, 1 + experts.size + np.arange(G)].astype(np.int32)
-        v = np.r_[v0, np.full(G, sink)].astype(np.int32)
-        c = np.r_[c0, caps].astype(np.int32)
-        graph = csr_matrix((c, (u, v)), shape=(sink + 1, sink + 1))
+        graph = template.copy()
+        graph.data[cap_pos] = caps
         res = maximum_flow(graph, src, sink)
         return res if res.flow_value == int(units_E.sum()) else None
 
