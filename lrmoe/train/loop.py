@@ -391,6 +391,8 @@ class Trainer:
         self.timings["train_s"] += dt
         self.timings["moe_fwd_s"] += fwd_s
         self.timings["moe_bwd_s"] += bwd_s
+        if "moe_plan_s" in extra:  # EP runs: the step's planning over all MoE layers (part of moe_fwd_s)
+            self.timings["moe_plan_s"] = self.timings.get("moe_plan_s", 0.0) + extra["moe_plan_s"]
         fracs = [k / d for k, d in kept if d]
         # A step whose rows hold no response token has no loss: None, not 0 (PPL 1), and the
         # PPL averages leave it out (the optimizer still steps, on a zero gradient).

@@ -27,6 +27,7 @@ Definitions (see docs/reproduce.md):
   planner after the demand all-gather, before the dispatch); the slowest rank's, like the times
   above. It is a part of ``moe_fwd_s`` (planning runs inside the experts function's forward).
   Single-process and ``ep=1`` runs have no planner and leave the key out (not 0), like ``comm_bytes``.
+  ``summary.json``'s ``timings.moe_plan_s`` is the run's total (EP runs only).
 * ``kept_fraction``: kept / routed pairs in the expert backward, mean over MoE layers (1.0 at C0).
 * ``tokens_per_s``: non-padding input tokens of the step / wall time of the step.
 """

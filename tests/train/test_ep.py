@@ -167,6 +167,13 @@ def test_ep_rows_carry_the_planning_time(runs):
             assert isinstance(r["moe_plan_s"], float) and math.isfinite(r["moe_plan_s"]) and r["moe_plan_s"] > 0, (
                 name, r["step"], r["moe_plan_s"])
     assert all("moe_plan_s" not in r for r in metrics(runs / "single"))
+    # the summary's timings total it (a resumed run adds its own steps to the checkpointed total)
+    import json
+
+    for name in ("fixed", "lrmoe"):
+        t = json.loads((runs / name / "summary.json").read_text())["timings"]
+        assert math.isclose(t["moe_plan_s"], sum(r["moe_plan_s"] for r in metrics(runs / name)), rel_tol=1e-9), (name, t)
+    assert "moe_plan_s" not in json.loads((runs / "single" / "summary.json").read_text())["timings"]
 
 
 def test_ep_resume_reproduces_the_uninterrupted_run(runs):
