@@ -49,6 +49,7 @@ from .plan import (Cluster, ModelDims, Plan, largest_remainder, largest_remainde
 from .quota import check_drop_ratio, compute_quota, quota_for, retained_total
 
 _EPS = 1e-9
+_NONE: frozenset = frozenset()
 
 
 def _quota(d_E: np.ndarray, n_keep: int, policy: str, options: dict, drop_ratio: float) -> np.ndarray:
@@ -65,13 +66,17 @@ def _quota(d_E: np.ndarray, n_keep: int, policy: str, options: dict, drop_ratio:
 def _greedy_context(mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, domain_G) -> dict:
     """What :func:`_greedy` reads at every threshold, as Python lists (built once per quota)."""
     G = len(mem_G)
-    dom = [int(x) for x in domain_G]
-    return {"mem": np.asarray(mem_G, dtype=np.float64).tolist(), "free": [int(f) for f in free_G],
-            "owner": [int(r) for r in owner_E], "left": [int(x) for x in d_E],
-            "w": np.asarray(w_E, dtype=np.float64).tolist(), "rb": [float(x) for x in row_bytes_E],
-            "peers": [[t for t in range(G) if dom[t] == dom[r]] for r in range(G)],
-            "mine": [mine[np.argsort(-L_E[mine], kind="stable")].tolist()
-                     for mine in (np.flatnonzero(owner_E == r) for r in range(G))]}
+    dom = np.asarray(domain_G).tolist()
+    peers_of = {d: [t for t in range(G) if dom[t] == d] for d in set(dom)}
+    owner_E = np.asarray(owner_E)
+    by_load = np.argsort(-np.asarray(L_E), kind="stable")  # descending weighted load, ties to the lower index
+    by_rank = by_load[np.argsort(owner_E[by_load], kind="stable")].tolist()
+    starts = np.r_[0, np.cumsum(np.bincount(owner_E, minlength=G))].tolist()
+    return {"mem": np.asarray(mem_G, dtype=np.float64).tolist(), "free": np.asarray(free_G).tolist(),
+            "owner": owner_E.tolist(), "left": np.asarray(d_E).tolist(),
+            "w": np.asarray(w_E, dtype=np.float64).tolist(), "rb": np.asarray(row_bytes_E, dtype=np.float64).tolist(),
+            "peers": [peers_of[dom[r]] for r in range(G)],
+            "mine": [by_rank[starts[r]:starts[r + 1]] for r in range(G)]}
 
 
 def _greedy(tau, cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, domain_G, rep_bytes, budget,
@@ -104,7 +109,7 @@ def _greedy(tau, cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, dom
         peers = peers_G[r]
         for e in mine_G[r]:
             w, rb, own = wl[e], rbl[e], owner[e]
-            host = extra.setdefault(e, set())
+            host = extra.get(e, _NONE)
             while (need > _EPS or mem[r] > budget) and left[e] > 0:
                 t, best = -1, -1.0
                 for u in peers:  # the first rank with the most slack among the eligible ones
@@ -129,6 +134,8 @@ def _greedy(tau, cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, dom
                 mem[t] += rep_bytes + x * rb
                 mem[r] -= x * rb
                 left[e] -= x
+                if host is _NONE:
+                    host = extra[e] = set()
                 host.add(t)
             if need <= _EPS and mem[r] <= budget:
                 break
@@ -177,7 +184,7 @@ def _plan_with_quota(d_GE, q_E, cluster: Cluster, dims: ModelDims, budget, *, fr
     base_G = np.bincount(owner_E, minlength=G) * instance_bytes(dims, replica=False)
     # Exactly rounded sums (not a BLAS matmul, whose summation order can depend on the CPU):
     # every rank must compute the same plan.
-    kept_sent_G = np.array([math.fsum(r) for r in d_GE * frac_E]) if G else np.zeros(0)
+    kept_sent_G = np.array([math.fsum(r) for r in (d_GE * frac_E).tolist()]) if G else np.zeros(0)
     mem_G = (base_G + row["dispatch"] * (d_GE.sum(1) + kept_sent_G) + row["output"] * d_GE.sum(1)
              + np.bincount(owner_E, weights=d_E * row_bytes_E, minlength=G))
     cost_G = np.bincount(owner_E, weights=L_E, minlength=G)
