@@ -46,33 +46,43 @@ def ultraep_feasible(tau: int, load_E, owner_E, free_G, domain_G, min_tokens: in
     makes the solver fail at a larger tau where it succeeded at a smaller one (the residual need
     falls under the floor), and the binary search then misses far smaller thresholds; see
     docs/placement.md."""
+    return _feasible(int(tau), _solver_context(load_E, owner_E, free_G, domain_G), min_tokens, overshoot)
+
+
+def _solver_context(load_E, owner_E, free_G, domain_G) -> dict:
+    """What :func:`_feasible` reads at every threshold, as Python lists (built once per search)."""
     load_E = np.asarray(load_E, dtype=np.int64)
-    rank_load = np.bincount(owner_E, weights=load_E, minlength=len(free_G)).astype(np.int64)
-    excess = np.maximum(rank_load - tau, 0)
-    slack = np.maximum(tau - rank_load, 0)
-    if excess.sum() > slack.sum():
-        return None
-    # Scalar Python over the ranks (few; the same integer arithmetic and ties as the array form).
+    owner_E = np.asarray(owner_E, dtype=np.int64)
     G = len(free_G)
-    free = [int(f) for f in free_G]
-    slack = slack.tolist()
-    dom = [int(x) for x in domain_G]
-    owner = owner_E.tolist() if isinstance(owner_E, np.ndarray) else [int(r) for r in owner_E]
+    rank_load = np.bincount(owner_E, weights=load_E, minlength=G).astype(np.int64)
+    dom = np.asarray(domain_G).tolist()
+    peers_of = {d: [t for t in range(G) if dom[t] == d] for d in set(dom)}
+    by_load = np.argsort(-load_E, kind="stable")  # every rank's experts by descending load, ties to the lower index
+    by_rank = by_load[np.argsort(owner_E[by_load], kind="stable")].tolist()
+    starts = np.r_[0, np.cumsum(np.bincount(owner_E, minlength=G))].tolist()
+    return {"rank_load": rank_load.tolist(), "order": np.argsort(-rank_load, kind="stable").tolist(),
+            "free": np.asarray(free_G, dtype=np.int64).tolist(), "owner": owner_E.tolist(),
+            "loads": load_E.tolist(), "peers": [peers_of[dom[r]] for r in range(G)],
+            "mine": [by_rank[starts[r]:starts[r + 1]] for r in range(G)]}
+
+
+def _feasible(tau: int, ctx: dict, min_tokens, overshoot: bool) -> list[Replica] | None:
+    """:func:`ultraep_feasible` over a :func:`_solver_context`: scalar Python over the ranks (few;
+    the same integer arithmetic and ties as the array form)."""
+    rank_load = ctx["rank_load"]
+    excess = [max(x - tau, 0) for x in rank_load]
+    slack = [max(tau - x, 0) for x in rank_load]
+    if sum(excess) > sum(slack):
+        return None
+    free, owner, loads, peers_G, mine_G = list(ctx["free"]), ctx["owner"], ctx["loads"], ctx["peers"], ctx["mine"]
     hosts: dict[int, set] = {}  # replica hosts so far (the owner hosts every expert too)
-    loads = load_E.tolist()
     replicas: list[Replica] = []
-    by_rank = None
-    for r in np.argsort(-rank_load, kind="stable").tolist():
-        need = int(excess[r])
+    for r in ctx["order"]:
+        need = excess[r]
         if need == 0:
             break
-        if by_rank is None:  # every rank's experts by descending load, ties to the lower index
-            by_load = np.argsort(-load_E, kind="stable")
-            by_rank = by_load[np.argsort(np.asarray(owner_E)[by_load], kind="stable")].tolist()
-            starts = np.r_[0, np.cumsum(np.bincount(owner_E, minlength=G))].tolist()
-            peers_of = {d: [t for t in range(G) if dom[t] == d] for d in set(dom)}
-        peers = peers_of[dom[r]]
-        for e in by_rank[starts[r]:starts[r + 1]]:
+        peers = peers_G[r]
+        for e in mine_G[r]:
             available = loads[e] - 1
             host, own = hosts.setdefault(e, set()), owner[e]
             while need > 0 and available > 0:
@@ -107,7 +117,8 @@ def ultraep_threshold(load_E, owner_E, free_G, domain_G, min_tokens: int = 1024,
     observed with overshoot=True unless min_tokens is comparable to whole expert loads)."""
     rank_load = np.bincount(owner_E, weights=np.asarray(load_E), minlength=len(free_G)).astype(np.int64)
     lo, hi = math.ceil(rank_load.sum() / len(rank_load)), int(rank_load.max())
-    feasible = lambda tau: ultraep_feasible(tau, load_E, owner_E, free_G, domain_G, min_tokens, overshoot)  # noqa: E731
+    ctx = _solver_context(load_E, owner_E, free_G, domain_G)
+    feasible = lambda tau: _feasible(int(tau), ctx, min_tokens, overshoot)  # noqa: E731
     if fast_path and lo < hi:
         probe = min(math.ceil(lo * 1.01), hi)
         if feasible(probe) is not None:
