@@ -19,8 +19,8 @@ import math
 
 import numpy as np
 
-from lrmoe.planning.plan import (cap_rows, locality_split_replicas, make_plan, owned_layout, replica_instances,
-                                 resolve_budget)
+from lrmoe.planning.plan import (cap_rows, domain_peers, experts_by_load_per_rank, locality_split_replicas, make_plan,
+                                 owned_layout, replica_instances, resolve_budget)
 
 Replica = tuple[int, int, int]  # (expert, host rank, quota rows)
 
@@ -55,15 +55,10 @@ def _solver_context(load_E, owner_E, free_G, domain_G) -> dict:
     owner_E = np.asarray(owner_E, dtype=np.int64)
     G = len(free_G)
     rank_load = np.bincount(owner_E, weights=load_E, minlength=G).astype(np.int64)
-    dom = np.asarray(domain_G).tolist()
-    peers_of = {d: [t for t in range(G) if dom[t] == d] for d in set(dom)}
-    by_load = np.argsort(-load_E, kind="stable")  # every rank's experts by descending load, ties to the lower index
-    by_rank = by_load[np.argsort(owner_E[by_load], kind="stable")].tolist()
-    starts = np.r_[0, np.cumsum(np.bincount(owner_E, minlength=G))].tolist()
     return {"rank_load": rank_load.tolist(), "order": np.argsort(-rank_load, kind="stable").tolist(),
             "free": np.asarray(free_G, dtype=np.int64).tolist(), "owner": owner_E.tolist(),
-            "loads": load_E.tolist(), "peers": [peers_of[dom[r]] for r in range(G)],
-            "mine": [by_rank[starts[r]:starts[r + 1]] for r in range(G)]}
+            "loads": load_E.tolist(), "peers": domain_peers(domain_G),
+            "mine": experts_by_load_per_rank(load_E, owner_E, G)}
 
 
 def _feasible(tau: int, ctx: dict, min_tokens, overshoot: bool) -> list[Replica] | None:

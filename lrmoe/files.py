@@ -102,20 +102,3 @@ def read_jsonl(path) -> list:
                                    f"last line may be dropped, so this file needs repair") from e
     return out
 
-
-def torn_tail_offset(path) -> int | None:
-    """Byte length of ``path`` without a torn last line (the offset to truncate to), or None when
-    the file does not exist or its last line is whole. Checks the whole file like :func:`read_jsonl`."""
-    path = Path(path)
-    if not path.exists():
-        return None
-    data = path.read_bytes()
-    read_jsonl(path)  # raises on a bad line that is not the last one
-    body, sep, last = data.rpartition(b"\n")
-    if last == b"":
-        return None
-    try:
-        json.loads(last)
-        return None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return len(body) + len(sep)

@@ -137,9 +137,6 @@ def quota_for(demand_E: torch.Tensor, n_keep: int, policy: str = "waterfill", *,
         raise ValueError(f"quota policy {policy!r} must return integer quotas, got dtype {q.dtype}")
     q = q.to(torch.int64)
     if d.device.type == "cpu":
-        _check_quota(d, q, n_keep, policy)
+        check_quota(d.numpy(), q.numpy(), n_keep, policy)
     return q
 
-
-def _check_quota(d: torch.Tensor, q: torch.Tensor, n_keep: int, policy: str) -> None:
-    check_quota(d.numpy(), q.numpy(), n_keep, policy)

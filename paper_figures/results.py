@@ -6,7 +6,6 @@ A run folder whose ``summary.json`` cannot be read is not silently dropped: :att
 names it and says why, and the report and the `lrmoe figures` command repeat it."""
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ NOT_RUN = "not run"
 
 
 def paper_numbers() -> dict:
-    return json.loads(PAPER_NUMBERS.read_text())
+    return read_json(PAPER_NUMBERS)
 
 
 def level_name(drop: float) -> str:

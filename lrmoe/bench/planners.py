@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from ..planning.memory import GIB
+from .common import markdown_table
 from ..planning.plan import Cluster, ModelDims
 from ..planning.policies import plan_placement
 from ..planning.reference import reference_plan
@@ -183,20 +184,15 @@ def markdown(rows, reference: bool) -> str:
              ("live_fallback", "fallback", "")]
     if reference:
         cols += [("ref_fallback", "ref fallback", ""), ("same_plans", "same plans", "d")]
-    head = "| " + " | ".join(h for _, h, _ in cols) + " |"
-    lines = [head, "|" + "|".join("---" for _ in cols) + "|"]
-    for r in rows:
-        lines.append("| " + " | ".join("" if r.get(k) is None else (format(r[k], f) if f else str(r[k]))
-                                       for k, _, f in cols) + " |")
-    return "\n".join(lines)
+    return markdown_table(rows, cols)
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="lrmoe bench planners", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=2,
-                    help="steps of the drifting trace per cell (default 2, two timed calls each: the whole grid "
-                         "in about 5 minutes on 2 cores)")
+                    help="steps of the drifting trace per cell (default 2, two timed calls each; --steps 3 took 215 s "
+                         "of planning on 2 shared cores, docs/benchmarks.md)")
     ap.add_argument("--quick", action="store_true", help="Qwen3, EP8, 80 and 6 GiB, balanced and log-normal only")
     ap.add_argument("--only", default=None, metavar="REGEX",
                     help="cells whose 'model/EP/budgetGiB/routing/policy' name matches (re.search)")

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..experts import autocast_inputs, autocast_off, check_routing_shapes
-from ..policy import BackwardPolicy, BackwardRecord, check_policy
+from ..policy import MODES, BackwardPolicy, BackwardRecord, check_policy
 from ..planning.plan import Cluster, ModelDims, Plan, check_budget
 from ..planning.policies import get_placement, plan_placement
 from ..planning.selection import selection_quotas
@@ -181,7 +181,6 @@ class ExpertParallel:
 
 
 # ----------------------------------------------------------------------------- entry point
-_MODES = {"full": 0, "compact": 1, "mask": 2}
 
 
 def check_devices(hidden_TH, idx_TK, w_TK, gate_up, down, ep: ExpertParallel):
@@ -269,7 +268,7 @@ def ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weig
     idx = top_k_index_TK.to(torch.int64)
     T, K = idx.shape
     E, H, I = ep.num_experts, hidden_TH.shape[1], gate_up_proj.shape[1] // 2
-    header = [E, H, I, K, ep.experts_per_rank, crc(str(gate_up_proj.dtype)), crc(ep.placement), _MODES[policy.mode],
+    header = [E, H, I, K, ep.experts_per_rank, crc(str(gate_up_proj.dtype)), crc(ep.placement), MODES.index(policy.mode),
               round(policy.drop_ratio * 1e9), crc(policy.scorer), crc(policy.quota), ep.cluster.slots_per_rank,
               crc(repr((sorted(policy.quota_kwargs.items()), sorted(policy.scorer_kwargs.items())))),
               crc(ep.planner_signature())]

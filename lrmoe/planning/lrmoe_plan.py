@@ -44,8 +44,9 @@ import math
 import numpy as np
 
 from .memory import instance_bytes, plan_memory, token_row_bytes
-from .plan import (Cluster, ModelDims, Plan, largest_remainder, largest_remainder_cols, largest_remainder_groups,
-                   locality_split_replicas, make_plan, owned_layout, replica_instances, resolve_budget)
+from .plan import (Cluster, ModelDims, Plan, domain_peers, experts_by_load_per_rank, largest_remainder_cols,
+                   largest_remainder_groups, locality_split_replicas, make_plan, owned_layout, replica_instances,
+                   resolve_budget)
 from .quota import check_drop_ratio, compute_quota, quota_for, retained_total
 
 _EPS = 1e-9
@@ -66,17 +67,12 @@ def _quota(d_E: np.ndarray, n_keep: int, policy: str, options: dict, drop_ratio:
 def _greedy_context(mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, domain_G) -> dict:
     """What :func:`_greedy` reads at every threshold, as Python lists (built once per quota)."""
     G = len(mem_G)
-    dom = np.asarray(domain_G).tolist()
-    peers_of = {d: [t for t in range(G) if dom[t] == d] for d in set(dom)}
     owner_E = np.asarray(owner_E)
-    by_load = np.argsort(-np.asarray(L_E), kind="stable")  # descending weighted load, ties to the lower index
-    by_rank = by_load[np.argsort(owner_E[by_load], kind="stable")].tolist()
-    starts = np.r_[0, np.cumsum(np.bincount(owner_E, minlength=G))].tolist()
     return {"mem": np.asarray(mem_G, dtype=np.float64).tolist(), "free": np.asarray(free_G).tolist(),
             "owner": owner_E.tolist(), "left": np.asarray(d_E).tolist(),
             "w": np.asarray(w_E, dtype=np.float64).tolist(), "rb": np.asarray(row_bytes_E, dtype=np.float64).tolist(),
-            "peers": [peers_of[dom[r]] for r in range(G)],
-            "mine": [by_rank[starts[r]:starts[r + 1]] for r in range(G)]}
+            "peers": domain_peers(domain_G),
+            "mine": experts_by_load_per_rank(L_E, owner_E, G)}  # by descending weighted load
 
 
 def _greedy(tau, cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, domain_G, rep_bytes, budget,
@@ -349,12 +345,6 @@ def _candidate(d_GE, q_E, replicas, tau, cluster: Cluster, dims: ModelDims, budg
     mem = plan_memory(dims, G, rank_N, np.arange(expert_N.size) >= E, send, quota, pairs_G=d_GE.sum(1))
     return _Candidate(d_GE, q_E, hosts_E, send, quota, tau, mem.peak <= budget,
                       (cluster, dims, budget, backward_weight, info))
-
-
-def _assemble(d_GE, q_E, replicas, tau, cluster: Cluster, dims: ModelDims, budget, backward_weight, info):
-    """The plan of the greedy's replicas at threshold ``tau``: instances, locality-first routing and
-    per-(source, instance) backward quotas."""
-    return _candidate(d_GE, q_E, replicas, tau, cluster, dims, budget, backward_weight, info).plan()
 
 
 def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio: float = 0.0,

@@ -271,6 +271,22 @@ def expert_sum(x_GN: np.ndarray, expert_N: np.ndarray, num_experts: int) -> np.n
     return out
 
 
+def domain_peers(domain_G) -> list[list[int]]:
+    """For every rank, the ranks of its fast domain (itself included), in rank order."""
+    dom = np.asarray(domain_G).tolist()
+    members = {d: [t for t in range(len(dom)) if dom[t] == d] for d in set(dom)}
+    return [members[d] for d in dom]
+
+
+def experts_by_load_per_rank(load_E, owner_E, num_ranks: int) -> list[list[int]]:
+    """For every rank, the experts it owns by descending load (ties to the lower expert index)."""
+    owner_E = np.asarray(owner_E)
+    by_load = np.argsort(-np.asarray(load_E), kind="stable")
+    by_rank = by_load[np.argsort(owner_E[by_load], kind="stable")].tolist()
+    starts = np.r_[0, np.cumsum(np.bincount(owner_E, minlength=num_ranks))].tolist()
+    return [by_rank[starts[r]:starts[r + 1]] for r in range(num_ranks)]
+
+
 def largest_remainder(total: int, weights) -> np.ndarray:
     """Split ``total`` into integers proportional to ``weights``; remainders to the largest
     fractional parts (ties: lower index). Each part is <= its weight when total <= sum(weights)."""

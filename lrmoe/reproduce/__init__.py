@@ -16,7 +16,7 @@ a shell, ``reproduce`` prints the command of every pending run and runs them whe
 the GPUs (status 2 otherwise); under torchrun, the ranks train the runs in-process.
 
 The machinery (run folders, staleness, the worker pool, Ctrl-C/SIGTERM, resume) is
-:mod:`lrmoe.runs`, shared with `lrmoe ablate`; :mod:`~lrmoe.reproduce.driver` is what is
+:mod:`lrmoe.runs` (meant to serve the coming `lrmoe ablate` too); :mod:`~lrmoe.reproduce.driver` is what is
 specific to the paper's presets.
 """
 from lrmoe.runs import RunSpec, torchrun_command, train_flags

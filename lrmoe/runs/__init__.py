@@ -1,4 +1,4 @@
-"""The run machinery shared by `lrmoe reproduce` and `lrmoe ablate`: a list of runs in, trained
+"""The run machinery of `lrmoe reproduce` (and of the coming `lrmoe ablate`): a list of runs in, trained
 run folders out, and nothing lost when it is stopped.
 
 - :mod:`~lrmoe.runs.spec`: :class:`RunSpec` (a stable name, tags, the full training config) and

@@ -119,9 +119,3 @@ def _cli(args) -> int:
           f"ppl {fin.get('ppl')}, eval_ppl {fin.get('eval_ppl')}")
     return 0
 
-
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(prog="python -m lrmoe.train.cli")
-    register_cli(ap.add_subparsers(dest="command", required=True))
-    a = ap.parse_args(["train", *sys.argv[1:]])
-    sys.exit(a.func(a))

@@ -249,6 +249,7 @@ class Trainer:
 
         self.opt = torch.optim.AdamW(_param_groups(self.model, cfg.weight_decay), lr=cfg.lr,
                                      betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+        self.params = [p for g in self.opt.param_groups for p in g["params"]]  # what the clip sees, every step
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s, cfg))
         self.stream = BatchStream(len(self.train_set), cfg.seed)
         self.step_done = 0
@@ -371,14 +372,13 @@ class Trainer:
             loss = loss_sum / max(1, n_label)
             runner.backward(loss)
             loss_total += float(loss.detach())
-            routing.add(hf.backward_records(model))
+            routing.add([getattr(m, hf.RECORD_ATTR, None) for m in self.moe_modules])  # hf.backward_records
             del logits, loss, loss_sum
         timer.enabled = False
         # EP: sums over the ranks (the per-rank records hold this rank's pairs only)
         loss_total, kept, layer_stats, nonfinite, extra = runner.reduce_step(
             loss_total, routing.kept, routing.layer_stats, routing.nonfinite, routing.comm)
-        params = [p for g in opt.param_groups for p in g["params"]]
-        grad_norm = runner.clip_(model, params, cfg.clip)  # EP: gradient sync, then the global norm
+        grad_norm = runner.clip_(model, self.params, cfg.clip)  # EP: gradient sync, then the global norm
         lr = opt.param_groups[0]["lr"]
         opt.step()
         self.sched.step()

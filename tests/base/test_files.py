@@ -5,7 +5,7 @@ import os
 import pytest
 
 from lrmoe import files
-from lrmoe.files import CorruptFileError, atomic_write, read_json, read_jsonl, torn_tail_offset, write_json, write_text
+from lrmoe.files import CorruptFileError, atomic_write, read_json, read_jsonl, write_json, write_text
 
 
 def _leftovers(d):
@@ -74,11 +74,10 @@ def _jsonl(path, rows, tail=b""):
 def test_read_jsonl_drops_only_a_torn_last_line(tmp_path):
     rows = [{"step": i} for i in range(1, 6)]
     p = _jsonl(tmp_path / "m.jsonl", rows)
-    assert read_jsonl(p) == rows and torn_tail_offset(p) is None
+    assert read_jsonl(p) == rows
     _jsonl(p, rows, tail=b'{"step": 6, "lo')
     assert read_jsonl(p) == rows
-    assert torn_tail_offset(p) == len(b"".join(json.dumps(r).encode() + b"\n" for r in rows))
-    assert read_jsonl(tmp_path / "missing.jsonl") == [] and torn_tail_offset(tmp_path / "missing.jsonl") is None
+    assert read_jsonl(tmp_path / "missing.jsonl") == []
 
 
 @pytest.mark.parametrize("where", [0, 2, 4])
@@ -89,8 +88,6 @@ def test_read_jsonl_refuses_a_bad_line_that_is_not_the_last(tmp_path, where):
     p.write_bytes(b"\n".join(lines) + b"\n")
     with pytest.raises(CorruptFileError, match=rf"m.jsonl: line {where + 1} of 6 is not valid JSON"):
         read_jsonl(p)
-    with pytest.raises(CorruptFileError):
-        torn_tail_offset(p)
 
 
 def test_written_files_get_the_mode_a_plain_open_gives(tmp_path):

@@ -122,7 +122,10 @@ def test_a_step_without_response_tokens_has_no_loss(data_path, tmp_path):
     assert fin["steps_without_loss"] == len(empty)
     with_loss = [r["ppl"] for r in rows if r["ppl"] is not None]
     assert fin["mean_ppl_all_steps"] == pytest.approx(sum(with_loss) / len(with_loss))
-    assert fin["mean_ppl_final_10pct"] is None or fin["mean_ppl_final_10pct"] > 1
+    # the final-10 % window is the last step here: no PPL exactly when that step has none
+    assert (fin["mean_ppl_final_10pct"] is None) == (rows[-1]["ppl"] is None)
+    if rows[-1]["ppl"] is not None:
+        assert fin["mean_ppl_final_10pct"] == pytest.approx(rows[-1]["ppl"])
 
 
 def test_vocab_override_smaller_than_the_tokenizer(data_path, tmp_path):
