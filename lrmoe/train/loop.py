@@ -372,7 +372,7 @@ class Trainer:
             loss = loss_sum / max(1, n_label)
             runner.backward(loss)
             loss_total += float(loss.detach())
-            routing.add([getattr(m, hf.RECORD_ATTR, None) for m in self.moe_modules])  # hf.backward_records
+            routing.add(hf.backward_records(model))
             del logits, loss, loss_sum
         timer.enabled = False
         # EP: sums over the ranks (the per-rank records hold this rank's pairs only)
