@@ -168,67 +168,111 @@ def _instance_quotas(q_E, rows_E, ranks_E, G: int, backward_weight: float, tau: 
     return np.split(kept_N, np.cumsum(sizes)[:-1]) if sizes else []
 
 
-def _plan_with_quota(d_GE, q_E, cluster: Cluster, dims: ModelDims, budget, *, free_G, owner_E, backward_weight,
-                     min_rows, info):
-    G, E = d_GE.shape
-    d_E = d_GE.sum(0)
-    frac_E = np.divide(q_E, d_E, out=np.zeros(E), where=d_E > 0)
-    w_E = np.where(d_E > 0, 1.0 + backward_weight * frac_E, 0.0)
-    L_E = d_E + backward_weight * q_E
-    row = token_row_bytes(dims)
-    row_bytes_E = row["saved"] + frac_E * row["backward"]  # expert-side bytes per forward row
-    base_G = np.bincount(owner_E, minlength=G) * instance_bytes(dims, replica=False)
-    # Exactly rounded sums (not a BLAS matmul, whose summation order can depend on the CPU):
-    # every rank must compute the same plan.
-    kept_sent_G = np.array([math.fsum(r) for r in (d_GE * frac_E).tolist()]) if G else np.zeros(0)
-    mem_G = (base_G + row["dispatch"] * (d_GE.sum(1) + kept_sent_G) + row["output"] * d_GE.sum(1)
-             + np.bincount(owner_E, weights=d_E * row_bytes_E, minlength=G))
-    cost_G = np.bincount(owner_E, weights=L_E, minlength=G)
-    args = (cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, cluster.domain_G,
-            instance_bytes(dims, replica=True), budget, min_rows)
-    top = math.ceil(cost_G.max(initial=0.0))
-    memo: dict[int, list | None] = {}
-    context = _greedy_context(*args[1:9])
+class _QuotaSearch:
+    """The threshold searches for one quota vector q_E (module docstring): :meth:`result` is the plan
+    the planner returns for these quotas, :meth:`fits` only whether it fits the budget.
 
-    def greedy(tau):
-        if tau not in memo:
-            memo[tau] = _greedy(tau, *args, context=context)
-        return memo[tau]
+    ``fits`` is what the kept-pair and microbatch-split searches probe; it is computed without
+    the threshold search where it can be: the plan for q_E fits iff the candidate at the
+    cost-optimal threshold fits or (when that one does not) the candidate at the largest
+    threshold ``top`` does (then the memory search finds a fitting threshold <= top), so a
+    fitting ``top`` candidate answers ``True`` after one greedy pass. Greedy passes and
+    candidates are memoised per threshold, so ``fits`` then ``result`` costs no more than ``result``."""
 
-    lo, hi = math.floor(cost_G.sum() / G), top
-    while lo < hi:  # smallest integer threshold the greedy meets (top always: no replica needed)
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if greedy(mid) is not None else (mid + 1, hi)
-    info = {**info, "threshold_cost": hi}
-    plan = _candidate(d_GE, q_E, greedy(hi), hi, cluster, dims, budget, backward_weight, info)
-    if plan.fits or not math.isfinite(budget):
-        return plan
+    def __init__(self, d_GE, q_E, cluster: Cluster, dims: ModelDims, budget, *, free_G, owner_E,
+                 backward_weight, min_rows, info):
+        G, E = d_GE.shape
+        d_E = d_GE.sum(0)
+        frac_E = np.divide(q_E, d_E, out=np.zeros(E), where=d_E > 0)
+        w_E = np.where(d_E > 0, 1.0 + backward_weight * frac_E, 0.0)
+        L_E = d_E + backward_weight * q_E
+        row = token_row_bytes(dims)
+        row_bytes_E = row["saved"] + frac_E * row["backward"]  # expert-side bytes per forward row
+        base_G = np.bincount(owner_E, minlength=G) * instance_bytes(dims, replica=False)
+        # Exactly rounded sums (not a BLAS matmul, whose summation order can depend on the CPU):
+        # every rank must compute the same plan.
+        kept_sent_G = np.array([math.fsum(r) for r in (d_GE * frac_E).tolist()]) if G else np.zeros(0)
+        mem_G = (base_G + row["dispatch"] * (d_GE.sum(1) + kept_sent_G) + row["output"] * d_GE.sum(1)
+                 + np.bincount(owner_E, weights=d_E * row_bytes_E, minlength=G))
+        cost_G = np.bincount(owner_E, weights=L_E, minlength=G)
+        self.args = (cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, cluster.domain_G,
+                     instance_bytes(dims, replica=True), budget, min_rows)
+        self.context = _greedy_context(*self.args[1:9])
+        self.lo, self.top = math.floor(cost_G.sum() / G), math.ceil(cost_G.max(initial=0.0))
+        self.candidate_args = (d_GE, q_E, cluster, dims, budget, backward_weight, info)
+        self.budget = budget
+        self.greedy_memo: dict[int, list | None] = {}
+        self.candidate_memo: dict[int, _Candidate | None] = {}
+        self.hi: int | None = None
 
-    # Over the memory budget at the cost-optimal threshold: a higher threshold leaves more slack
-    # to move rows off the ranks over the budget (pass 2 of the greedy). Smallest fitting
-    # threshold above it: doubling steps, then bisection (every plan taken fits). The largest
-    # threshold is tried first, so quotas that cannot fit at all cost one extra plan only.
-    def fitting(tau):
-        reps = greedy(tau)
-        p = None if reps is None else _candidate(d_GE, q_E, reps, tau, cluster, dims, budget, backward_weight, info)
-        return p if p is not None and p.fits else None
+    def greedy(self, tau: int):
+        if tau not in self.greedy_memo:
+            self.greedy_memo[tau] = _greedy(tau, *self.args, context=self.context)
+        return self.greedy_memo[tau]
 
-    if hi == top or fitting(top) is None:
-        return plan
-    bad, step, found = hi, 1, None
-    while bad < top and found is None:
-        tau = min(bad + step, top)
-        found = fitting(tau)
+    def candidate(self, tau: int):
+        """The candidate plan at threshold tau (None when the greedy cannot meet it)."""
+        if tau not in self.candidate_memo:
+            reps = self.greedy(tau)
+            self.candidate_memo[tau] = None if reps is None else _candidate(*self.candidate_args[:2], reps, tau,
+                                                                            *self.candidate_args[2:])
+        return self.candidate_memo[tau]
+
+    def threshold(self) -> int:
+        """The smallest integer threshold the greedy meets (bisection; ``top`` always: no replica needed)."""
+        if self.hi is None:
+            lo, hi = self.lo, self.top
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if self.greedy(mid) is not None else (mid + 1, hi)
+            self.hi = hi
+        return self.hi
+
+    def fits(self, top_first: bool = True) -> bool:
+        """Whether :meth:`result` fits the budget (class docstring). ``top_first=False`` tries the
+        cost-optimal candidate first (cheaper where it usually fits: no memory pressure)."""
+        if not math.isfinite(self.budget):
+            return self.result().fits
+        if not top_first and self.candidate(self.threshold()).fits:
+            return True
+        top = self.candidate(self.top)
+        return (top is not None and top.fits) or self.candidate(self.threshold()).fits
+
+    def result(self) -> "_Candidate":
+        """The plan for these quotas: at the cost-optimal threshold, or when that one is over the
+        budget, at the smallest higher threshold that fits (if any)."""
+        return dataclasses.replace(self._search(), threshold_cost=self.threshold())
+
+    def _search(self) -> "_Candidate":
+        hi, top = self.threshold(), self.top
+        plan = self.candidate(hi)
+        if plan.fits or not math.isfinite(self.budget):
+            return plan
+
+        # Over the memory budget at the cost-optimal threshold: a higher threshold leaves more slack
+        # to move rows off the ranks over the budget (pass 2 of the greedy). Smallest fitting
+        # threshold above it: doubling steps, then bisection (every plan taken fits). The largest
+        # threshold is tried first, so quotas that cannot fit at all cost one extra plan only.
+        def fitting(tau):
+            p = self.candidate(tau)
+            return p if p is not None and p.fits else None
+
+        if hi == top or fitting(top) is None:
+            return plan
+        bad, step, found = hi, 1, None
+        while bad < top and found is None:
+            tau = min(bad + step, top)
+            found = fitting(tau)
+            if found is None:
+                bad, step = tau, 2 * step
         if found is None:
-            bad, step = tau, 2 * step
-    if found is None:
-        return plan
-    good = found.tau
-    while good - bad > 1:
-        mid = (bad + good) // 2
-        p = fitting(mid)
-        bad, good, found = (bad, mid, p) if p is not None else (mid, good, found)
-    return found
+            return plan
+        good = found.tau
+        while good - bad > 1:
+            mid = (bad + good) // 2
+            p = fitting(mid)
+            bad, good, found = (bad, mid, p) if p is not None else (mid, good, found)
+        return found
 
 
 def _instance_quotas_flat(q_E, rows_N, expert_N, rank_N, G: int, backward_weight: float, tau: float) -> np.ndarray:
@@ -275,23 +319,35 @@ def _instance_quotas_flat(q_E, rows_N, expert_N, rank_N, G: int, backward_weight
                           shape=(sink + 1, sink + 1))
     cap_pos = template.indptr[1 + experts.size + np.arange(G)]
 
+    def caps_at(target):
+        return np.minimum(np.floor((target - base_G) / backward_weight + _EPS), cand_G).clip(0).astype(np.int64)
+
     def flow_at(target):
-        caps = np.minimum(np.floor((target - base_G) / backward_weight + _EPS), cand_G).clip(0).astype(np.int64)
         graph = template.copy()
-        graph.data[cap_pos] = caps
+        graph.data[cap_pos] = caps_at(target)
         res = maximum_flow(graph, src, sink)
         return res if res.flow_value == int(units_E.sum()) else None
 
-    # The executed maximum is one of the values base_r + B k: binary search for the smallest one
-    # that admits a flow (the largest always does: every rank uncapped).
+    # The executed maximum is one of the values base_r + B k: the smallest one that admits a flow
+    # (the largest always does: every rank uncapped). Feasibility only grows with the target (the
+    # capacities do), so the smallest is unique: targets whose rank capacities cannot hold the
+    # units at all are skipped without a flow, the first one left is tried first (it usually
+    # admits one), then binary search above it.
     targets = sorted({float(b + backward_weight * k) for b, n in zip(base_G, cand_G) for k in range(int(n) + 1)})
     targets = [t for t in targets if t >= base_G.max() - _EPS]
-    lo, hi = 0, len(targets) - 1
-    best = flow_at(targets[hi])
+    total = int(units_E.sum())
+    t_T = np.asarray(targets)[:, None]  # the same arithmetic as caps_at, for every target at once
+    room_T = np.minimum(np.floor((t_T - base_G) / backward_weight + _EPS), cand_G).clip(0).sum(1)
+    lo = int(np.argmax(room_T >= total)) if (room_T >= total).any() else len(targets) - 1
+    best = flow_at(targets[lo])
+    hi = lo if best is not None else len(targets) - 1
+    lo += best is None
     while lo < hi:
         mid = (lo + hi) // 2
         res = flow_at(targets[mid])
         lo, hi, best = (lo, mid, res) if res is not None else (mid + 1, hi, best)
+    if best is None:
+        best = flow_at(targets[hi])
     flow = best.flow.tocsr()
     has = units_E[expert_N] > 0
     out = floors_N.copy()
@@ -312,12 +368,13 @@ class _Candidate:
     tau: int
     fits: bool
     args: tuple
+    threshold_cost: int | None = None  # the cost-optimal threshold of the quota's search
 
     def plan(self) -> Plan:
         cluster, dims, budget, backward_weight, info = self.args
         instances, _ = replica_instances(cluster, dims, self.hosts_E, "lrmoe")
         d_E, n_keep = self.d_GE.sum(0), int(self.q_E.sum())
-        info = {**info, "threshold": self.tau, "quota_E": self.q_E, "n_keep": n_keep,
+        info = {**info, "threshold_cost": self.threshold_cost, "threshold": self.tau, "quota_E": self.q_E, "n_keep": n_keep,
                 "backward_weight": backward_weight, "drop_ratio_effective": 1.0 - n_keep / max(int(d_E.sum()), 1)}
         return make_plan("lrmoe", self.d_GE, cluster, dims, budget, instances, self.send, self.quota, info=info)
 
@@ -381,24 +438,39 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
               backward_weight=float(backward_weight), min_rows=int(min_rows),
               info={"drop_ratio": drop_ratio, "quota_policy": quota_policy})
 
-    def plan_keep(d_GE, n_keep):
-        q_E = _quota(d_GE.sum(0), n_keep, quota_policy, quota_options, drop_ratio)
-        return _plan_with_quota(d_GE, q_E, cluster, dims, budget_bytes, **kw)
+    searches: dict[tuple, _QuotaSearch] = {}  # (demand piece, n_keep) -> its search, within this call
 
-    def build(d_GE, row_cap):
+    def search(d_GE, n_keep) -> _QuotaSearch:
+        key = (d_GE.tobytes(), n_keep)
+        if key not in searches:
+            q_E = _quota(d_GE.sum(0), n_keep, quota_policy, quota_options, drop_ratio)
+            searches[key] = _QuotaSearch(d_GE, q_E, cluster, dims, budget_bytes, **kw)
+        return searches[key]
+
+    def shrunk_keep(d_GE):
+        """How many pairs the plan of d_GE keeps: the requested n_keep when it fits; else the
+        largest n_keep >= the max_drop_ratio one that fits (bisection), None when none fits."""
         P = int(d_GE.sum())
         hi_keep = retained_total(P, drop_ratio)
-        plan = plan_keep(d_GE, hi_keep)
-        if plan.fits:
-            return plan.plan()
+        if search(d_GE, hi_keep).fits(top_first=False):  # the requested quotas usually fit
+            return hi_keep
         lo_keep = retained_total(P, max_drop_ratio)
-        best = plan_keep(d_GE, lo_keep)
-        if not best.fits:
-            return plan.plan()  # quotas alone cannot make it fit: resolve_budget splits or reports oom
+        if not search(d_GE, lo_keep).fits():
+            return None  # quotas alone cannot make it fit: resolve_budget splits or reports oom
         while hi_keep - lo_keep > 1:  # lo_keep fits, hi_keep does not
             mid = (lo_keep + hi_keep) // 2
-            p = plan_keep(d_GE, mid)
-            lo_keep, hi_keep, best = (mid, hi_keep, p) if p.fits else (lo_keep, mid, best)
-        return dataclasses.replace(best.plan(), over_budget=True, fallback="shrink_quota")
+            lo_keep, hi_keep = (mid, hi_keep) if search(d_GE, mid).fits() else (lo_keep, mid)
+        return lo_keep
 
-    return resolve_budget(build, demand_GE, budget_bytes, fallback, max_split)
+    def build(d_GE, row_cap):
+        hi_keep = retained_total(int(d_GE.sum()), drop_ratio)
+        n_keep = shrunk_keep(d_GE)
+        if n_keep is None:
+            return search(d_GE, hi_keep).result().plan()
+        plan = search(d_GE, n_keep).result().plan()
+        return plan if n_keep == hi_keep else dataclasses.replace(plan, over_budget=True, fallback="shrink_quota")
+
+    def fits(d_GE, row_cap):
+        return shrunk_keep(d_GE) is not None
+
+    return resolve_budget(build, demand_GE, budget_bytes, fallback, max_split, fits=fits)

@@ -503,14 +503,19 @@ FALLBACKS = ("split", "drop", "oom")
 
 
 def resolve_budget(build: Callable[[np.ndarray, int | None], Plan], demand_GE: np.ndarray, budget_bytes: float,
-                   fallback: str = "split", max_split: int = 256) -> Plan:
+                   fallback: str = "split", max_split: int = 256,
+                   fits: Callable[[np.ndarray, int | None], bool] | None = None) -> Plan:
     """Apply a policy's fallback when its plan does not fit the budget.
 
     ``build(demand_GE, row_cap)`` plans a demand with an optional per-instance row cap.
     split: the smallest number N <= max_split of microbatch pieces whose largest piece fits
         (doubling, then bisection; memory is assumed not to grow as N grows);
     drop: the largest per-instance row cap that fits (bisection);
-    oom: report the over-budget plan. Any fallback that cannot fit ends as ``oom``."""
+    oom: report the over-budget plan. Any fallback that cannot fit ends as ``oom``.
+
+    ``fits(demand_GE, row_cap)``, when given, must equal ``build(demand_GE, row_cap).fits``; the
+    searches then probe it and build only the plan they return (for planners whose ``fits`` is
+    cheaper than their plan). Without it every probe builds its plan."""
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
     if isinstance(max_split, bool) or not isinstance(max_split, int) or max_split < 1:
@@ -519,31 +524,40 @@ def resolve_budget(build: Callable[[np.ndarray, int | None], Plan], demand_GE: n
     if plan.fits:
         return plan
     oom = dataclasses.replace(plan, over_budget=True, fallback="oom")
+    built: dict[tuple, Plan] = {}  # every probe's plan when fits is not given (the answer is one of them)
+
+    def plan_of(d_GE, row_cap) -> Plan:
+        key = (d_GE.tobytes(), row_cap)
+        if key not in built:
+            built[key] = build(d_GE, row_cap)
+        return built[key]
+
+    if fits is None:
+        def fits(d_GE, row_cap):
+            return plan_of(d_GE, row_cap).fits
     if fallback == "drop":
-        best = build(demand_GE, 0)
-        if not best.fits:
+        if not fits(demand_GE, 0):
             return oom
         lo, hi = 0, int(plan.rows_N.max())  # cap lo fits, cap hi does not
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            p = build(demand_GE, mid)
-            lo, hi, best = (mid, hi, p) if p.fits else (lo, mid, best)
+            lo, hi = (mid, hi) if fits(demand_GE, mid) else (lo, mid)
+        best = plan_of(demand_GE, lo)
         return dataclasses.replace(best, over_budget=True, fallback="drop_over_capacity",
                                    info={**best.info, "row_cap": lo})
     if fallback == "split":
-        lo, hi, best = 1, None, None  # lo pieces do not fit, hi pieces do
-        while best is None and lo < max_split:
+        lo, hi = 1, None  # lo pieces do not fit, hi pieces do
+        while hi is None and lo < max_split:
             n = min(2 * lo, max_split)
-            p = build(split_piece(demand_GE, n), None)
-            if p.fits:
-                hi, best = n, p
+            if fits(split_piece(demand_GE, n), None):
+                hi = n
             else:
                 lo = n
-        if best is None:
+        if hi is None:
             return oom
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            p = build(split_piece(demand_GE, mid), None)
-            lo, hi, best = (lo, mid, p) if p.fits else (mid, hi, best)
+            lo, hi = (lo, mid) if fits(split_piece(demand_GE, mid), None) else (mid, hi)
+        best = plan_of(split_piece(demand_GE, hi), None)
         return dataclasses.replace(best, over_budget=True, fallback=f"split_microbatch:{hi}", num_splits=hi)
     return oom
