@@ -43,7 +43,7 @@ import math
 
 import numpy as np
 
-from .memory import instance_bytes, plan_memory, token_row_bytes
+from .memory import instance_bytes, plan_memory, token_row_bytes, total_memory_floor
 from .plan import (Cluster, ModelDims, Plan, domain_peers, experts_by_load_per_rank, largest_remainder_cols,
                    largest_remainder_groups, locality_split_replicas, make_plan, owned_layout, replica_instances,
                    resolve_budget)
@@ -176,7 +176,9 @@ class _QuotaSearch:
     the threshold search where it can be: the plan for q_E fits iff the candidate at the
     cost-optimal threshold fits or (when that one does not) the candidate at the largest
     threshold ``top`` does (then the memory search finds a fitting threshold <= top), so a
-    fitting ``top`` candidate answers ``True`` after one greedy pass. Greedy passes and
+    fitting ``top`` candidate answers ``True`` after one greedy pass; and no candidate fits when
+    the ranks' mean memory (:func:`lrmoe.planning.memory.total_memory_floor`, the same for every
+    placement before replicas) is over the budget, which answers ``False`` without any pass. Greedy passes and
     candidates are memoised per threshold, so ``fits`` then ``result`` costs no more than ``result``."""
 
     def __init__(self, d_GE, q_E, cluster: Cluster, dims: ModelDims, budget, *, free_G, owner_E,
@@ -201,6 +203,8 @@ class _QuotaSearch:
         self.lo, self.top = math.floor(cost_G.sum() / G), math.ceil(cost_G.max(initial=0.0))
         self.candidate_args = (d_GE, q_E, cluster, dims, budget, backward_weight, info)
         self.budget = budget
+        # No plan of these quotas fits when the ranks' mean memory is over the budget (exact integers)
+        self.floor = total_memory_floor(dims, E, int(d_E.sum()), int(np.asarray(q_E).sum()))
         self.greedy_memo: dict[int, list | None] = {}
         self.candidate_memo: dict[int, _Candidate | None] = {}
         self.hi: int | None = None
@@ -233,6 +237,8 @@ class _QuotaSearch:
         cost-optimal candidate first (cheaper where it usually fits: no memory pressure)."""
         if not math.isfinite(self.budget):
             return self.result().fits
+        if -(-self.floor // len(self.args[0])) > self.budget:  # the peak >= the ceiled mean (exact int/float compare)
+            return False
         if not top_first and self.candidate(self.threshold()).fits:
             return True
         top = self.candidate(self.top)

@@ -120,3 +120,14 @@ def plan_memory(dims, num_ranks: int, rank_N, is_replica_N, send_GN, quota_GN, *
         saved_G=row["saved"] * recv_G + row["output"] * pairs_G,
         backward_G=row["backward"] * kept_recv_G,
     )
+
+
+def total_memory_floor(dims, num_owned: int, pairs: int, kept: int, *, optimizer_on_gpu: bool = True) -> int:
+    """The sum over ranks of ``total_G`` for any plan with ``num_owned`` owned instances, ``pairs``
+    routed pairs all sent (no capacity drops) and ``kept`` of them retained, before any replica
+    (each replica only adds): every token-buffer term is a per-row constant times a count whose sum
+    over ranks is fixed (sum_r sent_r = sum_r recv_r = sum_r P_r = pairs, sum_r kept_sent_r =
+    sum_r kept_recv_r = kept). The peak is at least this divided by the number of ranks."""
+    row = token_row_bytes(dims)
+    return (num_owned * instance_bytes(dims, replica=False, optimizer_on_gpu=optimizer_on_gpu)
+            + row["dispatch"] * (pairs + kept) + (row["saved"] + row["output"]) * pairs + row["backward"] * kept)

@@ -233,3 +233,50 @@ def test_ultraep_solvers_equal_reference(seed):
                 RU.ultraep_feasible(int(tau), load, owner, free, domain, mt, over)
     assert U.ultraep_threshold(load, owner, free, domain, 64) == RU.ultraep_threshold(load, owner, free, domain, 64)
     assert U.eplb_replicas(load, owner, free, domain) == RU.eplb_replicas(load, owner, free, domain)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("kind", ("random", "empty", "hot"))
+def test_total_memory_floor_is_the_replica_free_total(seed, kind):
+    """The ranks' summed memory of every dropless plan is the floor plus its replicas' bytes
+    (so the floor's mean never exceeds the peak)."""
+    from lrmoe.planning.memory import instance_bytes, total_memory_floor
+    rng = np.random.default_rng(700 + seed)
+    G, epr = (2, 4, 8)[seed % 3], int(rng.integers(1, 4))
+    E = G * epr
+    dims = ModelDims(hidden=32, intermediate=16, num_experts=E, top_k=2)
+    cl = Cluster(num_ranks=G, slots_per_rank=epr + int(rng.integers(0, 4)))
+    d = skewed_demand(rng, G, E, kind)
+    for name, opts in (("lrmoe", {"drop_ratio": 0.3}), ("lrmoe", {"quota_policy": "proportional"}),
+                       ("ultraep", {}), ("fixed", {})):
+        p = plan_placement(name, d, cl, dims, math.inf, **opts)
+        floor = total_memory_floor(dims, E, int(d.sum()), int(p.backward_quota_GN.sum()))
+        reps = int(p.is_replica_N.sum()) * instance_bytes(dims, replica=True)
+        assert int(p.memory.total_G.sum()) == floor + reps, (name, opts)
+        assert p.memory.peak >= -(-floor // G)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("kind", ("random", "empty", "hot"))
+def test_quota_search_fits_equals_its_plan(seed, kind):
+    """_QuotaSearch.fits (floor, top candidate first or the cost-optimal one first) says exactly
+    whether the plan it would return fits, at budgets from roomy to hopeless."""
+    rng = np.random.default_rng(800 + seed)
+    G, epr = (2, 4, 8)[seed % 3], int(rng.integers(1, 4))
+    E = G * epr
+    dims = ModelDims(hidden=32, intermediate=16, num_experts=E, top_k=2, optimizer_bytes_per_param=0)
+    domains = None if G < 4 else (tuple(range(G // 2)), tuple(range(G // 2, G)))
+    cl = Cluster(num_ranks=G, slots_per_rank=epr + int(rng.integers(0, 4)), fast_domains=domains)
+    d = skewed_demand(rng, G, E, kind)
+    peak = plan_placement("lrmoe", d, cl, dims, math.inf).memory.peak
+    seen = set()
+    for frac in (1.2, 0.95, 0.85, 0.7, 0.5, 0.2):
+        for keep in (1.0, 0.8, 0.5, 0.1):
+            q = L._quota(d.sum(0), int(round(keep * d.sum())), "waterfill", {}, 0.0)
+            kw = dict(free_G=np.full(G, cl.slots_per_rank - epr), owner_E=np.arange(E) // epr,
+                      backward_weight=2.0, min_rows=1, info={})
+            want = L._QuotaSearch(d, q, cl, dims, frac * max(peak, 1), **kw).result().fits
+            for top_first in (True, False):
+                assert L._QuotaSearch(d, q, cl, dims, frac * max(peak, 1), **kw).fits(top_first) == want
+            seen.add(want)
+    assert seen == {True, False}  # the budgets cover both answers
