@@ -453,9 +453,17 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
             searches[key] = _QuotaSearch(d_GE, q_E, cluster, dims, budget_bytes, **kw)
         return searches[key]
 
+    kept: dict[bytes, int | None] = {}  # demand piece -> its shrunk_keep, within this call
+
     def shrunk_keep(d_GE):
         """How many pairs the plan of d_GE keeps: the requested n_keep when it fits; else the
         largest n_keep >= the max_drop_ratio one that fits (bisection), None when none fits."""
+        key = d_GE.tobytes()
+        if key not in kept:
+            kept[key] = keep_search(d_GE)
+        return kept[key]
+
+    def keep_search(d_GE):
         P = int(d_GE.sum())
         hi_keep = retained_total(P, drop_ratio)
         if search(d_GE, hi_keep).fits(top_first=False):  # the requested quotas usually fit
