@@ -16,11 +16,12 @@ from .spec import RunSpec
 
 def train_flags(config: dict) -> list[str]:
     """`lrmoe train` flags that rebuild ``config`` (fields that differ from TrainConfig's defaults;
-    ep and placement always; global_batch follows from micro_batch x grad_accum)."""
+    ep, placement and warmup_steps always (the default warm-up depends on the steps); global_batch
+    follows from micro_batch x grad_accum)."""
     cfg, default = TrainConfig.from_dict(config).to_dict(), TrainConfig().to_dict()
     args = []
     for name, v in cfg.items():
-        if name == "global_batch" or (v == default[name] and name not in ("ep", "placement")):
+        if name == "global_batch" or (v == default[name] and name not in ("ep", "placement", "warmup_steps")):
             continue
         flag = "--" + name.replace("_", "-")
         if name in ("model_overrides", "ep_options"):

@@ -44,7 +44,9 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
     defaults = TrainConfig()
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        help_ = TrainConfig.FIELD_HELP.get(f.name, "") + f" (default: {getattr(defaults, f.name)})"
+        help_ = TrainConfig.FIELD_HELP.get(f.name, "")
+        if "default" not in help_:  # a help text that states its default says it once
+            help_ += f" (default: {getattr(defaults, f.name)})"
         if f.name == "model_overrides":
             p.add_argument("--model-override", dest="model_overrides", action="append", type=_parse_override,
                            metavar="KEY=VALUE", help=TrainConfig.FIELD_HELP[f.name])
@@ -57,13 +59,32 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, type=_KINDS[str(f.type)], default=None, help=help_)
 
 
+def read_config_file(path) -> dict:
+    """The TrainConfig fields of a ``--config`` JSON file; a ValueError naming the file if it cannot
+    be read, is not JSON or is not a JSON object."""
+    from ..files import CorruptFileError, read_json
+
+    if not Path(path).is_file():
+        raise ValueError(f"--config {path}: {'not a file' if Path(path).exists() else 'no such file'}; give a "
+                         "JSON file of TrainConfig fields")
+    try:
+        d = read_json(path)
+    except CorruptFileError as e:
+        raise ValueError(f"--config {e}; expected a JSON object of TrainConfig fields, e.g. "
+                         '{"steps": 200, "drop_ratio": 0.2}') from None
+    if not isinstance(d, dict):
+        raise ValueError(f"--config {path}: expected a JSON object of TrainConfig fields, got a JSON "
+                         f"{type(d).__name__}")
+    return d
+
+
 def config_from_args(args, base: dict | None = None) -> TrainConfig:
     """A TrainConfig from dataclass defaults, then ``base``/``--config`` JSON, then the flags given."""
     d = {}
     if base:
         d.update(base)
     if getattr(args, "config", None):
-        d.update(json.loads(Path(args.config).read_text()))
+        d.update(read_config_file(args.config))
     given = {}
     for f in dataclasses.fields(TrainConfig):
         v = getattr(args, f.name, None)
@@ -98,7 +119,7 @@ def _cli(args) -> int:
         from .ep import check_launch
 
         check_launch(cfg)
-    except (ValueError, OSError) as e:  # OSError: a --config file that cannot be read
+    except (ValueError, OSError) as e:  # a bad flag or --config file (named)
         print(f"lrmoe train: {e}", file=sys.stderr)
         return 2
     main = int(os.environ.get("RANK", "0")) == 0  # under torchrun, rank 0 reports

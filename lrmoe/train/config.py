@@ -41,7 +41,7 @@ class TrainConfig:
     # optimisation
     steps: int = 100
     lr: float = 1e-3
-    warmup_steps: int = 10
+    warmup_steps: int | None = None  # None: default_warmup(steps), set at construction
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.01
     beta1: float = 0.9
@@ -87,7 +87,8 @@ class TrainConfig:
         "grad_accum": "micro-batches per optimizer step (default global_batch / micro_batch, else 1)",
         "steps": "optimizer steps",
         "lr": "peak learning rate",
-        "warmup_steps": "linear warm-up steps (from lr/warmup to lr)",
+        "warmup_steps": "linear warm-up steps (from lr/warmup to lr; default: steps // 10, at most 10, so 10 "
+                        "from 100 steps on and none below 10 steps)",
         "min_lr_ratio": "cosine decay ends at min_lr_ratio * lr",
         "weight_decay": "AdamW weight decay (not applied to norms, biases and the router correction bias)",
         "clip": "global gradient-norm clip (0: off)",
@@ -119,6 +120,8 @@ class TrainConfig:
     }
 
     def __post_init__(self):
+        if self.warmup_steps is None and isinstance(self.steps, int) and not isinstance(self.steps, bool):
+            self.warmup_steps = default_warmup(self.steps)
         self.model_overrides = dict(self.model_overrides or {})
         self.ep_options = dict(self.ep_options or {})
         self.sample_layers = list(self.sample_layers)
@@ -286,6 +289,12 @@ class TrainConfig:
             raise ValueError(f"unknown TrainConfig fields {unknown}; accepted: {sorted(names)}")
         return cls(**d)
 
+
+
+def default_warmup(steps: int) -> int:
+    """The warm-up of a run that does not set one: a tenth of its steps, at most 10 (the default
+    before it depended on ``steps``), so it works for any step count."""
+    return max(0, min(10, steps // 10))
 
 
 def _comparable(d: dict) -> dict:
