@@ -187,6 +187,42 @@ def markdown(rows, reference: bool) -> str:
     return markdown_table(rows, cols)
 
 
+def short_fallbacks(names) -> str:
+    short = {"none": "none", "shrink_quota": "shrink"}
+    out = sorted({short.get(n, "split" if n.startswith("split") else n) for f in names for n in f.split(",")})
+    return "/".join(out)
+
+
+def summary_tables(rows, reference: bool) -> str:
+    """Per model and EP size, a policy x budget grid: the live planner's median ms over the
+    routings (the reference's in brackets), in how many routings the live median meets its target
+    (bold when all), and the fallbacks the live plans used. docs/benchmarks.md shows these."""
+    out = []
+    for m in dict.fromkeys(r["model"] for r in rows):
+        for ep in dict.fromkeys(r["ep"] for r in rows if r["model"] == m):
+            sub = [r for r in rows if r["model"] == m and r["ep"] == ep]
+            budgets = list(dict.fromkeys(r["budget_gib"] for r in sub))
+            lines = [f"**{m}, {ep}**", "", "| policy | " + " | ".join(f"{b:g} GiB" for b in budgets) + " |",
+                     "|---|" + "---|" * len(budgets)]
+            for pol in dict.fromkeys(r["policy"] for r in sub):
+                cells = []
+                for b in budgets:
+                    c = [r for r in sub if r["policy"] == pol and r["budget_gib"] == b]
+                    if not c:
+                        cells.append("")
+                        continue
+                    live = statistics.median(r["live_median_ms"] for r in c)
+                    text = f"{live:.2f}"
+                    if reference:
+                        text += f" ({statistics.median(r['ref_median_ms'] for r in c):.2f})"
+                    met = sum(r["target_met"] for r in c)
+                    text += f" {met}/{len(c)} {short_fallbacks(r['live_fallback'] for r in c)}"
+                    cells.append(f"**{text}**" if met == len(c) else text)
+                lines.append(f"| {pol} | " + " | ".join(cells) + " |")
+            out.append("\n".join(lines))
+    return "\n\n".join(out) + "\n"
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="lrmoe bench planners", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -258,7 +294,7 @@ def main(argv=None) -> dict:
     elapsed = time.perf_counter() - t_start
 
     from ..environment import environment
-    from ..files import write_json
+    from ..files import write_json, write_text
 
     pressured_budget = min(budgets)
     unpressured_at_min = sorted({r["policy"] for r in rows if r["budget_gib"] == pressured_budget
@@ -281,7 +317,14 @@ def main(argv=None) -> dict:
                              "policies": {k: {"policy": n, "options": o} for k, (n, o) in POLICIES.items()}},
                "environment": environment(), "elapsed_s": elapsed, "rows": rows, "summary": summary, "notes": notes}
     path = write_json(args.out / "bench_planners_cpu.json", payload)
-    print(markdown(rows, args.reference))
+    table = markdown(rows, args.reference)
+    same = sum(r.get("same_plans", 0) for r in rows)
+    header = (f"# `lrmoe bench planners {' '.join(argv if argv is not None else sys.argv[1:])}` "
+              f"(revision {payload['environment']['git']}, {payload['environment']['cpu_model']}; see docs/benchmarks.md)\n\n"
+              f"{summary}" + (f"; live plans identical to the reference in {same} of "
+                              f"{len(rows) * args.steps} (cell, step) pairs" if args.reference else "") + "\n\n")
+    write_text(args.out / "bench_planners_cpu.md", header + summary_tables(rows, args.reference) + "\n" + table + "\n")
+    print(table)
     print(summary)
     for n in notes:
         print("note:", n)

@@ -34,6 +34,12 @@ def test_quick_run_writes_every_policy_with_the_reference(tmp_path, capsys):
         assert r["target_met"] == (r["live_median_ms"] <= r["target_ms"])
     out = capsys.readouterr().out
     assert "| model/EP/budget/routing | policy |" in out and "targets met in" in out
+    md = (tmp_path / "bench_planners_cpu.md").read_text()
+    assert f"live plans identical to the reference in {2 * len(rows)} of {2 * len(rows)} (cell, step) pairs" in md
+    assert "**qwen3-30b-a3b, EP8**" in md and "| policy | 1 GiB | 0.3 GiB |" in md
+    for pol in planners.POLICIES:  # one grid row per policy: live (ref) met/routings fallbacks
+        row = next(line for line in md.splitlines() if line.startswith(f"| {pol} | ") and "/2 " in line)
+        assert row.count("/2 ") == 2, row
 
 
 def test_only_selects_cells_and_no_reference_skips_it(tmp_path):
