@@ -7,7 +7,7 @@ Inputs are the run folders written by ``lrmoe train`` / ``lrmoe reproduce`` (``s
 ``metrics.jsonl``, optionally the preset's ``manifest.json``) and ``paper_numbers.json`` (every
 number of the paper's "Reported results"). Nothing else is read, and nothing is made up: a cell
 whose runs are missing or unfinished says "not run", and a run folder whose summary cannot be
-read is named in the report.
+read, or a finished run whose metrics are damaged, is named in every table, in the report and on stderr.
 
 - :mod:`~paper_figures.results`: the results model (:class:`Results`, :class:`Run`, helpers);
 - :mod:`~paper_figures.tables` (T1, T2) and :mod:`~paper_figures.figures` (F1, F2): the makers;
@@ -17,7 +17,8 @@ read is named in the report.
 """
 from .makers import MAKERS, Maker, register, unregister
 from .report import make_all
-from .results import FAMILY_NAMES, NOT_RUN, Results, Run, level_name, mean_std, paper_numbers, rows_per_step
+from .results import (FAMILY_NAMES, NOT_RUN, AmbiguousRuns, Results, Run, level_name, mean_std, paper_numbers,
+                      rows_per_step)
 
-__all__ = ["FAMILY_NAMES", "MAKERS", "Maker", "NOT_RUN", "Results", "Run", "level_name", "make_all", "mean_std",
+__all__ = ["AmbiguousRuns", "FAMILY_NAMES", "MAKERS", "Maker", "NOT_RUN", "Results", "Run", "level_name", "make_all", "mean_std",
            "paper_numbers", "register", "rows_per_step", "unregister"]

@@ -15,25 +15,32 @@ def register_cli(sub) -> None:
 
 
 def _cli(args) -> int:
+    """Exit status 0; 2 for a bad argument, a results folder that cannot be read (a corrupt
+    manifest, two runs of one table cell) or damaged run folders (the tables and report are still
+    written, without them, and each is named)."""
     from pathlib import Path
 
     from lrmoe.files import CorruptFileError
 
     from .makers import MAKERS, ordered
     from .report import make_all
+    from .results import AmbiguousRuns, Results
 
     if not Path(args.results).is_dir():
-        print(f"lrmoe figures: no results folder {args.results!r}", file=sys.stderr)
+        what = "is not a folder" if Path(args.results).exists() else "does not exist"
+        print(f"lrmoe figures: no results folder {args.results!r} (it {what}); give --results a folder of run "
+              f"folders, e.g. results/cpu", file=sys.stderr)
         return 2
-    only = [k.strip() for k in args.only.split(",")] if args.only else None
+    only = [k.strip() for k in args.only.split(",") if k.strip()] if args.only is not None else None
     unknown = sorted(set(only or ()) - set(MAKERS))
-    if unknown:
-        print(f"lrmoe figures: unknown key(s) {', '.join(unknown)} in --only; accepted: {', '.join(sorted(MAKERS))}",
-              file=sys.stderr)
+    if unknown or only == []:
+        print(f"lrmoe figures: unknown key(s) {', '.join(unknown) or repr(args.only)} in --only; accepted: "
+              f"{', '.join(sorted(MAKERS))}", file=sys.stderr)
         return 2
     try:
-        files = make_all(args.results, args.out, only, warn=lambda msg: print(f"lrmoe figures: {msg}", file=sys.stderr))
-    except CorruptFileError as e:  # a manifest, or a finished run's metrics, that cannot be read
+        res = Results.load(args.results)
+        files = make_all(res, args.out, only, warn=lambda msg: print(f"lrmoe figures: {msg}", file=sys.stderr))
+    except (CorruptFileError, AmbiguousRuns) as e:  # a manifest that cannot be read; two runs of one cell
         print(f"lrmoe figures: {e}", file=sys.stderr)
         return 2
     for f in files:
@@ -41,4 +48,8 @@ def _cli(args) -> int:
     missing = [m.key for m in sorted(ordered(only), key=lambda m: m.key) if m.fn is None]
     if missing:
         print(f"not yet produced: {', '.join(missing)} (see report.md)", file=sys.stderr)
+    if res.damaged:
+        print(f"lrmoe figures: {len(res.damaged)} damaged run folder(s) left out ({', '.join(res.damaged)}; why: above and in "
+              f"report.md); repair them, or move them away and rerun those runs", file=sys.stderr)
+        return 2
     return 0

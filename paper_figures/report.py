@@ -1,6 +1,6 @@
 """``make_all``: every table and figure of a results folder, and ``report.md`` that gathers them
-beside the paper's numbers (and says which are not produced yet, and which run folders could not
-be read)."""
+beside the paper's numbers (and says which are not produced yet, and which run folders are
+damaged and left out)."""
 from __future__ import annotations
 
 import json
@@ -15,14 +15,15 @@ from .results import Results, paper_numbers
 
 def make_all(results_dir, out_dir=None, only: list[str] | None = None,
              warn: Callable[[str], None] | None = None) -> list[Path]:
-    """Write every registered table/figure (or those in ``only``) and ``report.md``; returns the
-    files. ``warn`` is told of each run folder left out because its summary cannot be read (the
-    report names them too)."""
-    res = Results.load(results_dir)
-    out = Path(out_dir) if out_dir is not None else Path(results_dir)
-    for name, why in res.unreadable.items():
+    """Write every registered table/figure (or those in ``only``) and ``report.md`` of
+    ``results_dir`` (a folder, or its :class:`~paper_figures.results.Results`); returns the files. ``warn`` is told of each damaged run folder, left out of the tables and figures (the
+    report and every table name them too). Two runs of one table cell raise
+    :class:`~paper_figures.results.AmbiguousRuns`."""
+    res = results_dir if isinstance(results_dir, Results) else Results.load(results_dir)
+    out = Path(out_dir) if out_dir is not None else res.dir
+    for name, why in res.damaged.items():
         if warn is not None:
-            warn(f"run folder {res.dir / name} is left out of the tables and figures: {why}")
+            warn(f"damaged run {name} is left out of the tables and figures: {why}")
     paper = paper_numbers()
     written, status = [], {}
     for m in ordered(only):
@@ -41,10 +42,10 @@ def _report(res: Results, out: Path, paper: dict, status: dict) -> str:
              f"- scale: {res.scale()}", f"- hardware: {res.hardware()}",
              f"- runs: {sum(r.done for r in res.runs.values())} finished of {len(res.runs)} found"
              + (f" ({len((res.manifest or {}).get('runs', []))} in the preset)" if res.manifest else "")]
-    if res.unreadable:
-        lines.append(f"- **left out**: {len(res.unreadable)} run folder(s) whose summary.json cannot be read "
-                     f"(repair the file or rerun the run; until then its cells say \"not run\"):")
-        lines += [f"  - `{name}`: {why}" for name, why in res.unreadable.items()]
+    if res.damaged:
+        lines.append(f"- **left out**: {len(res.damaged)} damaged run folder(s) (repair the file, or move the "
+                     f"folder away and rerun the run; until then its cells say \"not run\"):")
+        lines += [f"  - `{name}`: {why}" for name, why in res.damaged.items()]
     lines += ["- every value below is **measured** by this kit from the run files unless labelled **paper**", ""]
     for key in status:
         m = MAKERS[key]

@@ -2,8 +2,11 @@
 (:class:`Results`, :class:`Run`), the paper's numbers (``paper_numbers.json``), and the few
 helpers every maker shares.
 
-A run folder whose ``summary.json`` cannot be read is not silently dropped: :attr:`Results.unreadable`
-names it and says why, and the report and the `lrmoe figures` command repeat it."""
+What each run folder holds is decided by :func:`lrmoe.run_folder.run_state`, the function the
+run machinery (``lrmoe reproduce``, its dry run) reads too. A damaged run folder (a summary.json
+that cannot be read, a finished run whose metrics.jsonl is empty, has a garbage line or lacks
+steps) is not silently dropped: :attr:`Results.damaged` names it and says why, and the tables,
+the report and the `lrmoe figures` command repeat it."""
 from __future__ import annotations
 
 import math
@@ -13,13 +16,20 @@ from functools import cached_property
 from pathlib import Path
 
 from lrmoe.environment import hardware_label
-from lrmoe.files import CorruptFileError, read_json
-from lrmoe.run_folder import SUMMARY, read_metrics, read_summary
+from lrmoe.files import read_json
+from lrmoe.run_folder import CHECKPOINT, DAMAGED, DONE, LOCK, METRICS, SUMMARY, RunState, read_metrics, run_state
 
 PAPER_NUMBERS = Path(__file__).with_name("paper_numbers.json")
 FAMILY_NAMES = {"qwen3": "Qwen3-MoE", "glm4": "GLM-4.5-MoE"}
 _FAMILY_OF = {"qwen3_moe": "qwen3", "glm4_moe": "glm4"}
 NOT_RUN = "not run"
+# config fields that do not change what a run computes (left out when saying how two runs differ)
+_RUNTIME = ("threads", "log_interval", "checkpoint_interval", "eval_interval", "load_concurrency", "data")
+
+
+class AmbiguousRuns(ValueError):
+    """Several runs of a results folder match one table cell; the message names them and says
+    which config fields differ."""
 
 
 def paper_numbers() -> dict:
@@ -45,14 +55,20 @@ class Run:
     dir: Path
     summary: dict
     experiments: tuple = ()
+    state: RunState | None = None  # run_state(dir); None: read when first asked
 
     @property
     def config(self) -> dict:
         return self.summary.get("config", {})
 
+    @cached_property
+    def status(self) -> RunState:
+        return self.state if self.state is not None else run_state(self.dir)
+
     @property
     def done(self) -> bool:
-        return self.summary.get("status") == "done"
+        """Finished with a complete, readable metrics file (a damaged run is not done)."""
+        return self.status.state == DONE
 
     @property
     def family(self) -> str:
@@ -73,6 +89,8 @@ class Run:
 
     @cached_property
     def rows(self) -> list[dict]:
+        if self.status.rows is not None:  # read (and checked) once by run_state
+            return self.status.rows
         return read_metrics(self.dir)  # only a torn last line is dropped; any other bad line raises
 
     def ppl_window_mean(self, fraction: float = 0.1) -> float | None:
@@ -96,22 +114,25 @@ class Results:
     dir: Path
     runs: dict[str, Run] = field(default_factory=dict)
     manifest: dict | None = None
-    unreadable: dict[str, str] = field(default_factory=dict)  # run folder name -> why its summary cannot be read
+    damaged: dict[str, str] = field(default_factory=dict)  # run folder name -> what is wrong (the file named)
 
     @classmethod
     def load(cls, results_dir) -> "Results":
+        """The run folders under ``results_dir`` (every folder holding a run's file), each with its
+        :func:`~lrmoe.run_folder.run_state`. A damaged one is listed in :attr:`damaged`; it stays
+        in :attr:`runs` (not done) when its summary can be read."""
         d = Path(results_dir)
         manifest = read_json(d / "manifest.json")  # None without one; a corrupt one raises, naming it
         res = cls(d, {}, manifest)
         tags = {r["name"]: tuple(r.get("experiments", ())) for r in (manifest or {}).get("runs", [])}
-        for s in sorted(d.glob(f"*/{SUMMARY}")):
-            name = s.parent.name
-            try:
-                summary = read_summary(s.parent)
-            except CorruptFileError as e:
-                res.unreadable[name] = str(e)
-                continue
-            res.runs[name] = Run(name, s.parent, summary, tags.get(name, ()))
+        for run_dir in sorted(q for q in d.iterdir() if q.is_dir()):
+            if not any((run_dir / f).exists() for f in (SUMMARY, METRICS, CHECKPOINT, LOCK)):
+                continue  # tables/, figures/, ...
+            name, st = run_dir.name, run_state(run_dir)
+            if st.state == DAMAGED:
+                res.damaged[name] = st.why
+            if st.summary is not None:
+                res.runs[name] = Run(name, run_dir, st.summary, tags.get(name, ()), st)
         return res
 
     # -- preset facts
@@ -180,9 +201,19 @@ class Results:
                 continue
             found.append(r)
         if len(found) > 1:
-            raise ValueError(f"{self.dir}: several runs match {family} {level_name(drop)} scorer={scorer} seed={seed}: "
-                             f"{[r.name for r in found]}; keep one (or give the folder a manifest.json)")
+            raise AmbiguousRuns(f"{self.dir}: {len(found)} runs match the cell {family} {level_name(drop)} "
+                                f"scorer={scorer} seed={seed}: {', '.join(r.name for r in found)}; they differ in "
+                                f"{differences([r.config for r in found])}; keep one there (move the others "
+                                f"elsewhere), or give the folder a manifest.json that lists the runs of the tables")
         return found[0] if found else None
+
+
+def differences(configs: list[dict]) -> str:
+    """The config fields in which runs differ (``steps: 12 / 2``), or what else tells them apart."""
+    keys = sorted({k for c in configs for k in c} - set(_RUNTIME))
+    diff = [f"{k}: {' / '.join(repr(c.get(k)) for c in configs)}" for k in keys
+            if any(c.get(k) != configs[0].get(k) for c in configs)]
+    return "; ".join(diff) if diff else "no training field (only runtime fields, data path or folder name)"
 
 
 def mean_std(xs: list[float]) -> tuple[float | None, float | None]:

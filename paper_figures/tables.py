@@ -37,9 +37,17 @@ def _fmt_ms(m, s, n, digits=6):
 
 
 def _header(res: Results, key: str, title: str, paper_scale: str) -> list[str]:
-    return [f"**{key}. {title}**", "",
-            f"*Measured* (this kit): preset `{res.preset_name}`; {res.scale()}; hardware: {res.hardware()}.  ",
-            f"*Paper*: {paper_scale}.", ""]
+    lines = [f"**{key}. {title}**", "",
+             f"*Measured* (this kit): preset `{res.preset_name}`; {res.scale()}; hardware: {res.hardware()}.  ",
+             f"*Paper*: {paper_scale}.", ""]
+    if res.damaged:  # never a silently shorter mean: say which runs are missing from the cells, and why
+        lines += [f"*Left out* (damaged run folders; their cells say \"{NOT_RUN}\" or count fewer seeds): "
+                  + "; ".join(f"`{name}` ({why})" for name, why in res.damaged.items()) + ".", ""]
+    unfinished = [r for r in res.runs.values() if not r.done and r.name not in res.damaged]
+    if unfinished:
+        lines += [f"*Unfinished* (their cells say \"{NOT_RUN}\"): "
+                  + ", ".join(f"`{r.name}` ({r.status.label})" for r in unfinished) + ".", ""]
+    return lines
 
 
 def _md_table(head: list[str], rows: list[list[str]]) -> str:

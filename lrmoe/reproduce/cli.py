@@ -22,5 +22,13 @@ def register_cli(sub) -> None:
 
 
 def _cli(args) -> int:
-    return reproduce(args.preset, args.out, args.only, args.dry_run, args.data, args.jobs,
-                     figures=not args.no_figures)
+    import sys
+
+    from lrmoe.runs import UsageError
+
+    try:
+        return reproduce(args.preset, args.out, args.only, args.dry_run, args.data, args.jobs,
+                         figures=not args.no_figures)
+    except UsageError as e:  # a bad argument: one line, no traceback
+        print(f"lrmoe reproduce: {e}", file=sys.stderr)
+        return 2

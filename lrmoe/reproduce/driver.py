@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from lrmoe.files import CorruptFileError
-from lrmoe.runs import RunSpec, record_call, run_all, select, survey, torchrun, write_manifest
+from lrmoe.runs import RunSpec, UsageError, record_call, run_all, select, survey, torchrun, write_manifest
 from lrmoe.train.ep import world_size_from_env
 
 from .presets import PRESETS, Preset, resolve_data
@@ -22,55 +22,88 @@ def default_out(preset: str) -> Path:
 def plan(preset: str | Preset, out_dir=None, only: str | None = None, data: str | None = None) -> dict:
     """What `reproduce` would do: the preset, its results folder, the runs selected by ``only`` (a
     regular expression over run names), every run of the preset (``all_runs``), a reason to skip
-    (missing data) and the state of each selected run's folder (``status``, ``stale``,
-    ``unreadable``: :class:`lrmoe.runs.Survey`)."""
+    (missing data) and the state of each selected run's folder (``survey``: a
+    :class:`lrmoe.runs.Survey`; ``states``, ``stale`` and ``damaged`` from it). A bad preset,
+    results folder or ``only`` is a :class:`lrmoe.runs.UsageError`."""
+    if isinstance(preset, str) and preset not in PRESETS:
+        raise UsageError(f"unknown preset {preset!r}; accepted: {', '.join(PRESETS)}")
     p = PRESETS[preset] if isinstance(preset, str) else preset
     out = Path(out_dir) if out_dir is not None else default_out(p.name)
+    check_out(out)
     source, skip = resolve_data(p, data)
     all_runs = [dataclasses.replace(r, config=dict(r.config, data=source)) for r in p.runs()]
     runs = select(all_runs, only)
     sv = survey(out, runs)
     return {"preset": p, "out": out, "runs": runs, "all_runs": all_runs, "skip": skip, "survey": sv,
-            "status": sv.status, "stale": sv.stale, "unreadable": sv.unreadable}
+            "states": sv.states, "stale": sv.stale, "damaged": sv.damaged}
+
+
+def check_out(out: Path) -> None:
+    """A results folder (or a path where one can be made): a :class:`UsageError` if ``out`` or one
+    of its parents is a file."""
+    for q in (out, *out.parents):
+        if q.exists():
+            if not q.is_dir():
+                what = "is a file" if q == out else f"is inside {q}, which is a file"
+                raise UsageError(f"--out {str(out)!r} {what}, not a folder; give a folder (it is created if "
+                                 f"missing; default results/<preset>)")
+            return
+
+
+def check_jobs(jobs: int | None) -> None:
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+        raise UsageError(f"--jobs {jobs}: give a number of runs in parallel >= 1 (default: the preset's)")
 
 
 def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_run: bool = False, data: str | None = None,
               jobs: int | None = None, figures: bool = True, progress: bool = True) -> int:
     """Run every pending run of ``preset`` (skipping finished ones), then the figures. Returns an
-    exit code: 0, 1 (a run failed), 2 (a run folder of another config or with an unreadable
-    summary, or a torchrun preset on a machine without the GPUs), 130 (stopped; rerun to resume).
+    exit code: 0, 1 (a run failed), 2 (a run folder of another config, a damaged one or one that
+    another process trains, or a preset whose hardware this machine lacks: checked before anything
+    is written or fetched), 130 (stopped; rerun to resume). Bad arguments (preset, ``out_dir``,
+    ``only``, ``jobs``) raise :class:`lrmoe.runs.UsageError`.
 
     A torchrun preset (``paper``) launched from a shell prints one ``torchrun`` command per pending
     run and runs them one after another when the machine has the GPUs. Under torchrun
     (``torchrun ... -m lrmoe.cli reproduce ...``), every rank runs the pending runs in this
     process, one after another, over one process group; rank 0 writes the files."""
-    if isinstance(preset, str) and preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; accepted: {list(PRESETS)}")
+    check_jobs(jobs)
     pl = plan(preset, out_dir, only, data)
     p, out, runs, sv = pl["preset"], pl["out"], pl["runs"], pl["survey"]
     done, pending = sv.done(runs), sv.pending(runs)
     under_torchrun = world_size_from_env() > 1
     main = int(os.environ.get("RANK", "0")) == 0
-    jobs = 1 if under_torchrun or p.launcher == "torchrun" else max(1, jobs or p.jobs)
+    jobs = 1 if under_torchrun or p.launcher == "torchrun" else jobs or p.jobs
+    missing = _missing_hardware(p, pending) if not under_torchrun else None
     if main:
         _describe(p, out, runs, len(done), len(pending), jobs)
     if dry_run:
-        _list_runs(p, out, runs, sv, pl["skip"])
+        _list_runs(p, out, runs, sv, pl["skip"], missing)
         return 0
     if pl["skip"]:
         print(f"lrmoe reproduce: skipped: {pl['skip']}", file=sys.stderr)
         return 0
-    if sv.stale or sv.unreadable:
+    refusal = sv.refusal(out, "lrmoe reproduce")
+    if refusal:
         if main:
-            print("\n".join(sv.refusal(out, "lrmoe reproduce")), file=sys.stderr)
+            print("\n".join(refusal), file=sys.stderr)
         return 2
+    if main and sv.reasons(pending):  # why a started run runs again (it resumes, or restarts)
+        print("\n".join(["lrmoe reproduce: started runs that run again:", *sv.reasons(pending)]), file=sys.stderr)
     if p.launcher == "torchrun" and not under_torchrun:
         return _launch_torchrun(p, out, pl["all_runs"], runs, pending, figures)
+    if missing:  # checked before any file is written or any data is fetched
+        print(f"lrmoe reproduce: preset {p.name!r} needs {p.hardware}, but {missing}, so nothing was run; run it on "
+              f"such a machine, or use --preset cpu (or smoke) here", file=sys.stderr)
+        return 2
     if main:
+        _clean(sv)
         out.mkdir(parents=True, exist_ok=True)
         write_manifest(out, _manifest(p, pl["all_runs"]))
     res = run_all(pending, out, jobs, progress=progress, main=main, under_torchrun=under_torchrun,
                   desc=f"reproduce {p.name}", done=len(done))
+    if main and res.failures:  # a run that failed before its first step leaves only its lock file
+        _clean(survey(out, [r for r in pending if r.name in {n for n, _ in res.failures}]))
     if res.interrupted:
         if main:
             print(f"lrmoe reproduce: interrupted; rerun the same command to resume ({out}/)", file=sys.stderr)
@@ -78,6 +111,22 @@ def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_r
     if not main:
         return 0
     return _finish(p, out, runs, pending, res.failures, res.wall_s, jobs, only, figures)
+
+
+def _missing_hardware(p: Preset, pending: list[RunSpec]) -> str | None:
+    """Why this machine cannot train the pending runs of a local preset (e.g. a CUDA preset on a
+    CPU-only machine); None when it can (torchrun presets check per launch)."""
+    if not pending or p.launcher == "torchrun":
+        return None
+    return torchrun.missing_hardware(pending, 1)
+
+
+def _clean(sv) -> None:
+    removed = sv.clean()
+    if removed:
+        print(f"lrmoe reproduce: removed {len(removed)} leftover(s) of failed or interrupted runs (lock files of "
+              f"runs that failed before their first step, their empty folders, temporary files): "
+              + ", ".join(str(q) for q in removed), file=sys.stderr)
 
 
 def _manifest(p: Preset, all_runs: list[RunSpec]) -> dict:
@@ -89,24 +138,34 @@ def _describe(p: Preset, out: Path, runs: list[RunSpec], n_done: int, n_pending:
     print(f"  hardware: {p.hardware}; cost: {p.cost}", file=sys.stderr)
     if runs:  # the settings every run shares (the full configs are in manifest.json)
         common = {k: v for k, v in runs[0].config.items() if all(r.config.get(k) == v for r in runs)}
-        print(f"  data: {common.pop('data', 'per run')}; shared settings: "
+        data = common.pop("data", "per run") or "$LRMOE_ALPACA, else the hub (tatsu-lab/alpaca)"
+        print(f"  data: {data}; shared settings: "
               + ", ".join(f"{k}={v}" for k, v in sorted(common.items())), file=sys.stderr)
     print(f"  {len(runs)} runs -> {out}/ ({n_done} done, {n_pending} to run, {jobs} in parallel)", file=sys.stderr)
 
 
-def _list_runs(p: Preset, out: Path, runs: list[RunSpec], sv, skip: str | None) -> None:
-    """--dry-run: one line per run (stdout), what a real call would refuse (stderr)."""
+def _list_runs(p: Preset, out: Path, runs: list[RunSpec], sv, skip: str | None, missing: str | None) -> None:
+    """--dry-run: one line per run (stdout), what a real call would do about it or refuse (stderr)."""
+    width = max([len(sv.label(r.name)) for r in runs] + [8])
     for r in runs:
-        c = r.config
-        print(f"  {r.name:28s} {','.join(r.experiments):6s} {sv.label(r.name):8s} "
-              f"model={c['model']} drop={c['drop_ratio']} scorer={c['scorer']} seed={c['seed']} steps={c['steps']}")
-        if r.name in sv.stale:
+        c, st = r.config, sv.states[r.name]
+        print(f"  {r.name:28s} {','.join(r.experiments):6s} {sv.label(r.name):{width}s} "
+              f"model={c['model']} drop={c['drop_ratio']} scorer={c['scorer']} seed={c['seed']} steps={c['steps']}", flush=True)
+        if r.name in sv.stale and st.state != "damaged":
             print(f"    its folder holds a run of another config ({'; '.join(sv.stale[r.name])}): "
                   f"a real call stops with status 2", file=sys.stderr)
-        if r.name in sv.unreadable:
-            print(f"    {sv.unreadable[r.name]}: a real call stops with status 2", file=sys.stderr)
+        elif st.state in ("damaged", "running"):
+            print(f"    {st.why}: a real call stops with status 2", file=sys.stderr)
+        elif st.state == "interrupted":
+            print(f"    {st.why}: a real call reruns it", file=sys.stderr)
+        elif st.leftovers:
+            print(f"    {st.why or 'temporary files of an interrupted write'}: a real call removes "
+                  + ", ".join(q.name for q in st.leftovers), file=sys.stderr)
         if p.launcher == "torchrun":
             print("    " + shlex.join(torchrun.torchrun_command(r, out / r.name, p.nproc)))
+    if missing:
+        print(f"  note: {missing}: a real call stops with status 2 before it writes or fetches anything",
+              file=sys.stderr)
     if skip:
         print(f"  note: {skip}", file=sys.stderr)
 
@@ -146,9 +205,11 @@ def _finish(p, out, runs, pending, failures, wall, jobs, only, figures) -> int:
     if figures:
         from paper_figures import make_all
 
+        from paper_figures import AmbiguousRuns
+
         try:
             written = make_all(out, out, warn=lambda msg: print(f"lrmoe reproduce: {msg}", file=sys.stderr))
-        except CorruptFileError as e:  # a run's metrics that cannot be read: say which, keep the runs
+        except (CorruptFileError, AmbiguousRuns) as e:  # a manifest that cannot be read, two runs of one cell
             print(f"lrmoe reproduce: the figures were not made: {e}", file=sys.stderr)
             return 1
         print(f"figures and tables: {len(written)} files under {out}/tables and {out}/figures", file=sys.stderr)

@@ -14,9 +14,9 @@ Every run trains in its own folder (``<out>/<name>/``) under the folder's lock
 same run."""
 from .folders import Survey, record_call, survey, write_manifest
 from .pool import STOP_GRACE_S, Outcome, prepare_data, run_all, train_one
-from .spec import RunSpec, select
+from .spec import RunSpec, UsageError, select
 from .torchrun import launch_each, missing_hardware, torchrun_command, train_flags
 
-__all__ = ["STOP_GRACE_S", "Outcome", "RunSpec", "Survey", "launch_each", "missing_hardware", "prepare_data",
+__all__ = ["STOP_GRACE_S", "Outcome", "RunSpec", "Survey", "UsageError", "launch_each", "missing_hardware", "prepare_data",
            "record_call", "run_all", "select", "survey", "torchrun_command", "train_flags",
            "train_one", "write_manifest"]

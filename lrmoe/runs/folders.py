@@ -1,6 +1,9 @@
 """What a results folder already holds for a list of runs, and the files the run machinery writes
 beside the run folders: ``manifest.json`` (what the folder is meant to hold) and the record of
-the last call (e.g. ``reproduce.json``: wall time, failures)."""
+the last call (e.g. ``reproduce.json``: wall time, failures).
+
+The state of each run folder comes from :func:`lrmoe.run_folder.run_state`, the one function
+that decides it for the run machinery and the figure makers alike."""
 from __future__ import annotations
 
 import os
@@ -9,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lrmoe.files import CorruptFileError, read_json, write_json
-from lrmoe.run_folder import read_summary
+from lrmoe.run_folder import DAMAGED, DONE, INTERRUPTED, NEW, RUNNING, RunState, run_state
 from lrmoe.train import config_differences
 
 from .spec import RunSpec
@@ -17,53 +20,93 @@ from .spec import RunSpec
 
 @dataclass
 class Survey:
-    """The state of each run's folder: ``status`` ("done", "running", ...; None for nothing yet),
-    ``stale`` (a run of another config is there: the differences) and ``unreadable`` (its
-    ``summary.json`` cannot be read: why). A stale or unreadable folder is neither reused nor
-    overwritten."""
+    """The state of each run's folder (``states``: :class:`lrmoe.run_folder.RunState`: new,
+    running, interrupted, done or damaged, and why) and ``stale`` (a run of another config is
+    there: the differences). A stale or damaged folder is neither reused nor overwritten, and a run
+    that another process trains now is not started twice."""
 
-    status: dict[str, str | None] = field(default_factory=dict)
+    states: dict[str, RunState] = field(default_factory=dict)
     stale: dict[str, list[str]] = field(default_factory=dict)
-    unreadable: dict[str, str] = field(default_factory=dict)
+
+    def _named(self, state: str) -> dict[str, str]:
+        return {name: st.why for name, st in self.states.items() if st.state == state}
+
+    @property
+    def damaged(self) -> dict[str, str]:
+        """Run name -> what is wrong with its folder (the file named)."""
+        return self._named(DAMAGED)
+
+    @property
+    def running(self) -> dict[str, str]:
+        """Run name -> which process trains it now."""
+        return self._named(RUNNING)
 
     def done(self, runs: list[RunSpec]) -> list[RunSpec]:
-        return [r for r in runs if self.status.get(r.name) == "done"]
+        return [r for r in runs if self.states[r.name].state == DONE]
 
     def pending(self, runs: list[RunSpec]) -> list[RunSpec]:
-        return [r for r in runs if self.status.get(r.name) != "done"]
+        return [r for r in runs if self.states[r.name].state != DONE]
 
     def refusal(self, out, prog: str) -> list[str]:
         """Why ``prog`` must not train into ``out`` (one line per reason, then one per folder); []
-        when no folder is stale or unreadable."""
+        when no folder is stale, damaged or being trained by another process."""
         lines = []
         if self.stale:
             lines.append(f"{prog}: {len(self.stale)} run folder(s) under {out}/ hold runs of another config (a "
                          f"changed preset or grid, --data or kit version); move or delete them, or use --out:")
             lines += [f"  {name}: {'; '.join(diff)}" for name, diff in self.stale.items()]
-        if self.unreadable:
-            lines.append(f"{prog}: {len(self.unreadable)} run folder(s) under {out}/ have a summary.json that cannot "
-                         f"be read, so whether they hold the run is unknown; repair, move or delete them, or use "
+        if self.damaged:
+            lines.append(f"{prog}: {len(self.damaged)} run folder(s) under {out}/ are damaged (a file that cannot be "
+                         f"read or is incomplete), so what they hold is unknown; repair, move or delete them, or use "
                          f"--out:")
-            lines += [f"  {name}: {why}" for name, why in self.unreadable.items()]
+            lines += [f"  {name}: {why}" for name, why in self.damaged.items()]
+        if self.running:
+            lines.append(f"{prog}: {len(self.running)} run(s) under {out}/ are being trained by another process; "
+                         f"wait for it to finish or stop it, then rerun to resume:")
+            lines += [f"  {name}: {why}" for name, why in self.running.items()]
         return lines
 
     def label(self, name: str) -> str:
-        """One word for a listing: unreadable, stale, done, running, ... or new."""
-        if name in self.unreadable:
-            return "unreadable"
-        return "stale" if name in self.stale else self.status.get(name) or "new"
+        """The words a listing shows: damaged, stale, done, running, interrupted (resumable), ... or new."""
+        st = self.states[name]
+        if st.state != DAMAGED and name in self.stale:
+            return "stale"
+        return st.label
+
+    def reasons(self, runs: list[RunSpec]) -> list[str]:
+        """Why each pending run that is not new runs again (e.g. ``interrupted at step 100 of 200;
+        resumes from its checkpoint``), one line per run."""
+        return [f"  {r.name}: {self.states[r.name].label}: {self.states[r.name].why}" for r in runs
+                if self.states[r.name].state == INTERRUPTED]
+
+    def clean(self) -> list[Path]:
+        """Remove what is safe to remove (:attr:`RunState.leftovers`: temporary files of interrupted
+        writes; the lock file of a run that failed before its first step, and then its empty
+        folder). Returns the paths removed; a file that cannot be removed is left as it is."""
+        removed = []
+        for st in self.states.values():
+            for path in st.leftovers:
+                try:
+                    path.unlink()
+                except OSError:
+                    continue
+                removed.append(path)
+            if st.state == NEW and st.leftovers:
+                try:
+                    st.leftovers[0].parent.rmdir()  # only if nothing else appeared in it
+                    removed.append(st.leftovers[0].parent)
+                except OSError:
+                    pass
+        return removed
 
 
 def survey(out, runs: list[RunSpec]) -> Survey:
+    """The state of each run's folder under ``out`` (:func:`lrmoe.run_folder.run_state`), and
+    which finished or started runs were trained with another config."""
     out, sv = Path(out), Survey()
     for r in runs:
-        try:
-            s = read_summary(out / r.name)
-        except CorruptFileError as e:
-            sv.status[r.name], sv.unreadable[r.name] = None, str(e)
-            continue
-        sv.status[r.name] = s.get("status") if s else None
-        if s and (diff := config_differences(s.get("config", {}), r.config)):
+        st = sv.states[r.name] = run_state(out / r.name)
+        if st.summary and (diff := config_differences(st.summary.get("config", {}), r.config)):
             sv.stale[r.name] = diff
     return sv
 

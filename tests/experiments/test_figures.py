@@ -66,7 +66,7 @@ def made(tmp_path_factory):
 
 def test_results_model_reads_the_run_folders(fake):
     res = Results.load(fake)
-    assert sorted(res.runs) == sorted(RUNS) and res.unreadable == {}
+    assert sorted(res.runs) == sorted(RUNS) and res.damaged == {}
     assert res.preset_name == "fake" and res.families() == ["qwen3"] and res.model_of("qwen3") == "qwen3-moe-tiny"
     c20 = res.runs["qwen3-C20-lrm-s0"]
     assert (c20.family, c20.drop, c20.scorer, c20.seed, c20.experiments) == ("qwen3", 0.2, "lrm", 0, ("E1", "E2"))
@@ -89,7 +89,7 @@ def test_unfinished_runs_have_no_window_mean(tmp_path):
 def test_two_runs_of_one_cell_without_a_manifest_raise(fake):
     (fake / "manifest.json").unlink()
     shutil.copytree(fake / "qwen3-C20-lrm-s0", fake / "qwen3-C20-lrm-again-s0")
-    with pytest.raises(ValueError, match="several runs match qwen3 C20.*qwen3-C20-lrm-again-s0"):
+    with pytest.raises(ValueError, match="2 runs match the cell qwen3 C20.*qwen3-C20-lrm-again-s0"):
         Results.load(fake).find("qwen3", 0.2, "lrm", 0)
 
 
@@ -156,11 +156,12 @@ def test_make_all_writes_tables_figures_and_the_report(made):
 
 
 def test_a_corrupt_summary_is_named_in_the_report_and_on_stderr(fake, capsys):
-    """A summary.json that cannot be decoded used to remove its run from the tables without a word."""
+    """A summary.json that cannot be decoded used to remove its run from the tables without a word:
+    the tables are still written, without it, and the command names it and exits with 2."""
     from lrmoe.cli import main
 
     (fake / "qwen3-C20-lrm-s0" / "summary.json").write_text('{"status": "done", "conf')
-    assert main(["figures", "--results", str(fake), "--only", "T1"]) == 0
+    assert main(["figures", "--results", str(fake), "--only", "T1"]) == 2
     err = capsys.readouterr().err
     assert "qwen3-C20-lrm-s0" in err and "summary.json" in err and "not valid JSON" in err
     report = (fake / "report.md").read_text()

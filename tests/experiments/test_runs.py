@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from lrmoe.runs import RunSpec, folders, pool, record_call, run_all, select, survey
+from lrmoe.runs import RunSpec, UsageError, folders, pool, record_call, run_all, select, survey
 from lrmoe.train import TrainConfig
 
 BASE = TrainConfig(model="qwen3-moe-tiny", steps=3, warmup_steps=1).to_dict()
@@ -18,12 +18,18 @@ def _spec(name, **changes):
 def _summary(run_dir, config, status="done"):
     run_dir.mkdir(parents=True)
     (run_dir / "summary.json").write_text(json.dumps({"status": status, "config": config}))
+    if status == "done":  # a finished run has one metrics row per step
+        (run_dir / "metrics.jsonl").write_text("".join(f'{{"step": {i}}}\n' for i in range(1, config["steps"] + 1)))
 
 
 def test_select_matches_names_by_regex():
     runs = [_spec("qwen3-C00-s0"), _spec("qwen3-C20-lrm-s0"), _spec("glm4-C20-lrm-s1")]
     assert [r.name for r in select(runs, "C20-lrm")] == ["qwen3-C20-lrm-s0", "glm4-C20-lrm-s1"]
-    assert select(runs, None) == runs and select(runs, "^nothing$") == []
+    assert select(runs, None) == runs
+    with pytest.raises(UsageError, match=r"--only '\^nothing\$' matches none of the 3 runs; they are: qwen3-C00-s0, "):
+        select(runs, "^nothing$")
+    with pytest.raises(UsageError, match=r"--only '\(\[' is not a regular expression"):
+        select(runs, "([")
 
 
 def test_survey_tells_done_running_stale_and_unreadable_folders(tmp_path):
@@ -34,10 +40,12 @@ def test_survey_tells_done_running_stale_and_unreadable_folders(tmp_path):
     (tmp_path / "torn").mkdir()
     (tmp_path / "torn" / "summary.json").write_text('{"status": "do')
     sv = survey(tmp_path, runs)
-    assert sv.status == {"new": None, "done": "done", "running": "running", "stale": "done", "torn": None}
+    assert {n: st.state for n, st in sv.states.items()} == {
+        "new": "new", "done": "done", "running": "interrupted", "stale": "done", "torn": "damaged"}
     assert list(sv.stale) == ["stale"] and sv.stale["stale"][0].startswith("lr: ")
-    assert list(sv.unreadable) == ["torn"] and "torn/summary.json" in sv.unreadable["torn"]
-    assert [sv.label(r.name) for r in runs] == ["new", "done", "running", "stale", "unreadable"]
+    assert list(sv.damaged) == ["torn"] and "torn/summary.json" in sv.damaged["torn"]
+    # "running" in a summary with no live process holding the lock: interrupted (no checkpoint: restarts)
+    assert [sv.label(r.name) for r in runs] == ["new", "done", "interrupted (restarts)", "stale", "damaged"]
     assert [r.name for r in sv.pending(runs)] == ["new", "running", "torn"]
 
 
@@ -118,5 +126,5 @@ def test_refusal_names_each_stale_and_unreadable_folder(tmp_path):
     lines = survey(tmp_path, runs).refusal(tmp_path, "lrmoe ablate")
     assert lines[0].startswith("lrmoe ablate: 1 run folder(s) under") and "another config" in lines[0]
     assert lines[1].startswith("  stale: lr: ")
-    assert "cannot be read" in lines[2] and lines[3].startswith("  torn: ") and len(lines) == 4
+    assert "damaged" in lines[2] and lines[3].startswith("  torn: ") and len(lines) == 4
     assert survey(tmp_path, runs[:1]).refusal(tmp_path, "lrmoe ablate") == []
