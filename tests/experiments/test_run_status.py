@@ -2,7 +2,9 @@
 run too) and every table maker: damaged results are named with what is wrong, never silently
 dropped; an interrupted run is not shown as running; leftovers of failed runs are cleaned (issue 17).
 No training: the run folders are written by the test."""
+import contextlib
 import json
+import os
 import threading
 
 import pytest
@@ -71,12 +73,13 @@ def test_running_in_the_summary_but_no_live_lock_is_interrupted(tmp_path):
     assert (st.label, st.why) == ("interrupted (resumable)", "stopped at step 2 of 4; resumes from its checkpoint")
 
 
-def test_a_held_lock_is_running(tmp_path):
-    d = _write(tmp_path / "r", status="running")
+@contextlib.contextmanager
+def _trained_by_a_thread(run_dir):
+    """The run folder's lock held (as training holds it) by another thread while the block runs."""
     held, release = threading.Event(), threading.Event()
 
     def trainer():
-        with run_folder_lock(d):
+        with run_folder_lock(run_dir):
             held.set()
             release.wait(30)
 
@@ -84,12 +87,18 @@ def test_a_held_lock_is_running(tmp_path):
     t.start()
     try:
         assert held.wait(30)
-        st = run_state(d)
-        assert (st.state, st.why) == ("running", f"pid {__import__('os').getpid()}")
-        assert run_folder.lock_holder(d)
+        yield
     finally:
         release.set()
         t.join()
+
+
+def test_a_held_lock_is_running(tmp_path):
+    d = _write(tmp_path / "r", status="running")
+    with _trained_by_a_thread(d):
+        st = run_state(d)
+        assert (st.state, st.why) == ("running", f"pid {os.getpid()}")
+        assert run_folder.lock_holder(d)
     assert run_state(d).state == "interrupted" and run_folder.lock_holder(d) is None
 
 
@@ -275,24 +284,10 @@ def test_a_run_trained_by_another_process_is_not_started_twice(folder, capsys):
     from lrmoe.cli import main
 
     out, trained = folder
-    busy = out / "glm4-C30-lrm-s0"
-    held, release = threading.Event(), threading.Event()
-
-    def trainer():
-        with run_folder_lock(busy):
-            held.set()
-            release.wait(30)
-
-    t = threading.Thread(target=trainer)
-    t.start()
-    try:
-        assert held.wait(30)
+    with _trained_by_a_thread(out / "glm4-C30-lrm-s0"):
         labels, err = _dry_run_labels(out, capsys)
         assert labels["glm4-C30-lrm-s0"] == "running"
         assert main(["reproduce", "--preset", "smoke", "--out", str(out), "--only", "glm4-C30"]) == 2
         err = capsys.readouterr().err
         assert "being trained by another process" in err and "glm4-C30-lrm-s0: pid " in err
-    finally:
-        release.set()
-        t.join()
     assert trained == []
