@@ -6,10 +6,11 @@ import dataclasses
 import os
 import shlex
 import sys
+import time
 from pathlib import Path
 
 from lrmoe.files import CorruptFileError
-from lrmoe.runs import RunSpec, UsageError, record_call, run_all, select, survey, torchrun, write_manifest
+from lrmoe.runs import RunSpec, UsageError, pool, record_call, run_all, select, survey, torchrun, write_manifest
 from lrmoe.train.ep import world_size_from_env
 
 from .presets import PRESETS, Preset, resolve_data
@@ -96,12 +97,19 @@ def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_r
         print(f"lrmoe reproduce: preset {p.name!r} needs {p.hardware}, but {missing}, so nothing was run; run it on "
               f"such a machine, or use --preset cpu (or smoke) here", file=sys.stderr)
         return 2
+    t0 = time.perf_counter()
+    if pending and not under_torchrun:  # tokenise and pack once; bad data is said before anything is written
+        try:
+            pool.prepare_data(pending)
+        except (ValueError, OSError) as e:
+            print(f"lrmoe reproduce: the runs' data cannot be prepared, so nothing was run: {e}", file=sys.stderr)
+            return 2
     if main:
         _clean(sv)
         out.mkdir(parents=True, exist_ok=True)
         write_manifest(out, _manifest(p, pl["all_runs"]))
     res = run_all(pending, out, jobs, progress=progress, main=main, under_torchrun=under_torchrun,
-                  desc=f"reproduce {p.name}", done=len(done))
+                  desc=f"reproduce {p.name}", done=len(done), prepare=False)
     if main and res.failures:  # a run that failed before its first step leaves only its lock file
         _clean(survey(out, [r for r in pending if r.name in {n for n, _ in res.failures}]))
     if res.interrupted:
@@ -110,7 +118,7 @@ def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_r
         return 130
     if not main:
         return 0
-    return _finish(p, out, runs, pending, res.failures, res.wall_s, jobs, only, figures)
+    return _finish(p, out, runs, pending, res.failures, time.perf_counter() - t0, jobs, only, figures)
 
 
 def _missing_hardware(p: Preset, pending: list[RunSpec]) -> str | None:
@@ -175,8 +183,6 @@ def _launch_torchrun(p: Preset, out: Path, all_runs: list[RunSpec], runs: list[R
     """Not under torchrun: print one torchrun command per pending run, then run them one after
     another when this machine has the GPUs; otherwise exit with status 2 (the commands are the way
     to run the preset elsewhere)."""
-    import time
-
     if pending:
         print(f"  {len(pending)} torchrun launch(es), one per run (each resumes from its checkpoint):",
               file=sys.stderr)

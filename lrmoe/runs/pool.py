@@ -72,17 +72,18 @@ def prepare_data(runs: list[RunSpec]) -> None:
 
 
 def run_all(runs: list[RunSpec], out, jobs: int = 1, *, progress: bool = True, main: bool = True,
-            under_torchrun: bool = False, desc: str = "runs", done: int = 0) -> Outcome:
+            under_torchrun: bool = False, desc: str = "runs", done: int = 0, prepare: bool = True) -> Outcome:
     """Train ``runs`` into ``<out>/<name>/`` (each resumes from its checkpoint), ``jobs`` at a time.
 
-    ``done`` runs finished before count on the progress bar; ``main`` is False on the ranks of a
+    ``done`` runs finished before count on the progress bar; ``prepare=False``: the caller ran
+    :func:`prepare_data` already (to report bad data before it writes anything); ``main`` is False on the ranks of a
     torchrun launch that do not report. Under torchrun every rank trains the runs here, one after
     another, over one process group (a failure there is raised: the other ranks cannot go on)."""
     out, outcome, t0 = Path(out), Outcome(), time.perf_counter()
     if not runs:
         return outcome
     group = _init_group(runs) if under_torchrun else None  # one group for all runs of this process
-    if not under_torchrun:
+    if prepare and not under_torchrun:
         prepare_data(runs)  # (under torchrun, train prepares the data on one rank per node first)
     from tqdm import tqdm
 

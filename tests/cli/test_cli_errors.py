@@ -205,3 +205,14 @@ def test_train_help_states_the_warmup_default(capsys):
     assert "--warmup-steps WARMUP_STEPS linear warm-up steps" in text and "default: steps // 10, at most 10" in text
     assert "(default: $LRMOE_ALPACA, else tatsu-lab/alpaca)" in text
     assert "(default: $LRMOE_ALPACA, else tatsu-lab/alpaca) (default: None)" not in text
+
+
+def test_reproduce_data_that_cannot_be_read_is_said_before_anything_is_written(tmp_path, capsys):
+    out = tmp_path / "r"
+    missing = tmp_path / "nowhere.json"
+    assert main(["reproduce", "--preset", "smoke", "--out", str(out), "--data", str(missing), "--only",
+                 "qwen3-C00-s0"]) == 2
+    line = _one_line(capsys.readouterr().err, "reproduce")
+    assert "the runs' data cannot be prepared, so nothing was run" in line and str(missing) in line
+    assert "accepted: a .json/.jsonl file" in line
+    assert not out.exists()

@@ -127,6 +127,7 @@ def folder(tmp_path, monkeypatch):
     known ways. Data preparation and training are replaced by a recorder."""
     from lrmoe.reproduce import plan
     import lrmoe.reproduce.driver as driver
+    import lrmoe.runs.pool as pool
     from lrmoe.runs import Outcome
 
     out = tmp_path / "smoke"
@@ -162,6 +163,7 @@ def folder(tmp_path, monkeypatch):
         return Outcome()
 
     monkeypatch.setattr(driver, "run_all", fake_run_all)
+    monkeypatch.setattr(pool, "prepare_data", lambda runs: None)
     return out, trained
 
 
