@@ -227,7 +227,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="lrmoe bench planners", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=2,
-                    help="steps of the drifting trace per cell (default 2, two timed calls each; --steps 3 took 215 s "
+                    help="steps of the drifting trace per cell (default 2, two timed calls each; --steps 3 took 184 s "
                          "of planning on 2 shared cores, docs/benchmarks.md)")
     ap.add_argument("--quick", action="store_true", help="Qwen3, EP8, 80 and 6 GiB, balanced and log-normal only")
     ap.add_argument("--only", default=None, metavar="REGEX",
