@@ -55,8 +55,8 @@ from torch import nn
 from ..experts import autocast_inputs, autocast_off, check_routing_shapes
 from ..policy import MODES, BackwardPolicy, BackwardRecord, check_policy
 from ..planning.plan import Cluster, ModelDims, Plan, check_budget
-from ..planning.policies import get_placement, plan_placement
-from ..planning.selection import selection_quotas
+from ..planning.policies import get_placement
+from ..planning.step import plan_layer
 from .collectives import crc, gather_demand
 from .function import Call, EPExperts
 from .grad_sync import mark_expert_parallel
@@ -143,28 +143,16 @@ class ExpertParallel:
         return ModelDims(hidden, intermediate, self.num_experts, top_k, dtype_bytes, self.grad_bytes,
                          self.optimizer_bytes_per_param)
 
-    def planner_options(self, policy: BackwardPolicy) -> dict:
-        opts = dict(self.options)
-        if self.placement == "lrmoe":
-            opts.setdefault("drop_ratio", policy.drop_ratio if policy.selects else 0.0)
-            if not policy.selects:  # nothing is scored, so every row is kept: quotas cannot shrink
-                opts["max_drop_ratio"] = 0.0
-            opts.setdefault("quota_policy", policy.quota)
-            opts.setdefault("quota_options", dict(policy.quota_kwargs))
-        return opts
-
     def plan(self, demand_GE: np.ndarray, dims: ModelDims, policy: BackwardPolicy, *, state=None,
              piece: bool = False) -> Plan:
-        """The plan every rank computes for this demand (pure, deterministic); backward quotas from
-        the policy are applied to baseline placements (:func:`lrmoe.planning.selection.selection_quotas`). ``piece``: a
-        piece of a split microbatch, planned with fallback ``oom`` (executed even if over budget)."""
+        """The plan every rank computes for this demand (pure, deterministic):
+        :func:`lrmoe.planning.step.plan_layer`, the function the cluster simulator calls too
+        (baseline placements get the runtime's backward quotas when the policy selects). ``piece``:
+        a piece of a split microbatch, planned with fallback ``oom`` (executed even if over budget)."""
         t0 = time.perf_counter()
-        opts = self.planner_options(policy)
-        if piece:
-            opts["fallback"] = "oom"
-        plan = plan_placement(self.placement, demand_GE, self.cluster, dims, self.budget_bytes, state=state, **opts)
-        if policy.selects and plan.policy != "lrmoe":
-            plan = selection_quotas(plan, dims, policy.drop_ratio, policy.quota, policy.quota_kwargs)
+        plan = plan_layer(self.placement, demand_GE, self.cluster, dims, self.budget_bytes, options=self.options,
+                          selects=policy.selects, drop_ratio=policy.drop_ratio, quota=policy.quota,
+                          quota_options=policy.quota_kwargs, state=state, piece=piece)
         dt = time.perf_counter() - t0
         self.plan_seconds += dt
         self.plan_seconds_total += dt
