@@ -6,7 +6,10 @@ Definitions (docs/reproduce.md):
   mean over the final 1,000 of 10,000 steps).
 * T1 dPPL = PPL(Cxx) - PPL(C0), same family and seed (mean +- std when the preset has several E1 seeds).
 * T2 dPPL = PPL(C20, scorer) - PPL(C0) of the same seed, then mean +- std (sample std) over seeds.
-  A second column averages the per-step difference over *all* steps instead of the final 10 %.
+  A second column measures the whole run: the mean over all steps of the per-step training-loss
+  difference loss(C20, scorer) - loss(C0), same seed (nats; the area between the two loss
+  curves divided by the steps; steps without a loss in either run left out), mean +- std over
+  seeds. Loss, not PPL: the PPL of the first steps is in the hundreds and would outweigh the rest.
 """
 from __future__ import annotations
 
@@ -136,8 +139,10 @@ def make_t1(res: Results, paper: dict, out: Path) -> list[Path]:
 # ----------------------------------------------------------------------------- T2
 
 
-def _delta_all_steps(run, c0) -> float | None:
-    a, b = run.ppl_by_step(), c0.ppl_by_step()
+def loss_gap_all_steps(run, c0) -> float | None:
+    """Mean over the steps both runs logged a loss of loss(run) - loss(c0), in nats (the area
+    between the two training-loss curves divided by the number of steps)."""
+    a, b = ({r["step"]: r["loss"] for r in x.rows if r.get("loss") is not None} for x in (run, c0))
     common = sorted(set(a) & set(b))
     if not common:
         return None
@@ -159,13 +164,14 @@ def t2_data(res: Results) -> list[dict]:
                 a, b = r.ppl_window_mean(), c0.ppl_window_mean()
                 if a is not None and b is not None:
                     final.append(a - b)
-                w = _delta_all_steps(r, c0)
+                w = loss_gap_all_steps(r, c0)
                 if w is not None:
                     whole.append(w)
             fm, fs = mean_std(final)
             wm, ws = mean_std(whole)
             out.append({"family": fam, "scorer": sc, "level": level_name(drop), "delta": fm, "delta_std": fs,
-                        "n": len(final), "delta_all": wm, "delta_all_std": ws, "values": final})
+                        "n": len(final), "loss_gap_all": wm, "loss_gap_all_std": ws, "n_all": len(whole),
+                        "values": final})
     return out
 
 
@@ -176,7 +182,8 @@ def make_t2(res: Results, paper: dict, out: Path) -> list[Path]:
     head = ["Scorer", "Level"]
     for f in fams:
         name = FAMILY_NAMES.get(f, f)
-        head += [f"{name} ΔPPL measured (final 10 %)", f"{name} ΔPPL measured (all steps)", f"{name} ΔPPL paper"]
+        head += [f"{name} ΔPPL measured (final 10 %)", f"{name} Δloss measured (mean over all steps, nats)",
+                 f"{name} ΔPPL paper"]
     rows = []
     by = {(d["family"], d["scorer"]): d for d in data}
     scorers = list(dict.fromkeys(d["scorer"] for d in data))
@@ -185,7 +192,7 @@ def make_t2(res: Results, paper: dict, out: Path) -> list[Path]:
         for f in fams:
             d = by.get((f, sc))
             row.append(_fmt_ms(d["delta"], d["delta_std"], d["n"]) if d else NOT_RUN)
-            row.append(_fmt_ms(d["delta_all"], d["delta_all_std"], d["n"]) if d else NOT_RUN)
+            row.append(_fmt_ms(d["loss_gap_all"], d["loss_gap_all_std"], d["n_all"]) if d else NOT_RUN)
             pv = p["values"].get(f, {}).get(sc)
             row.append(f"{pv:.6f}" if pv is not None else "—")
         rows.append(row)
@@ -202,7 +209,11 @@ def make_t2(res: Results, paper: dict, out: Path) -> list[Path]:
     md = _header(res, "T2", "Scorer ablation: ΔPPL vs C0 of the same seed (mean ± sample std (n−1) over seeds, "
                             "n = seeds)",
                  scale)
-    md += [_md_table(head, rows), ""] + order_lines + [""]
+    md += [_md_table(head, rows), "",
+           "Δloss (mean over all steps): the training-loss difference to the C0 run of the same seed, averaged "
+           "over every step (the area between the two loss curves divided by the steps, in nats), then mean ± "
+           "sample std over seeds; it weighs the whole run, where the ΔPPL columns weigh its final 10 %.", ""]
+    md += order_lines + [""]
     cap = (f"T2: scorer ablation, mean ± sample standard deviation (n−1) over seeds of the PPL difference to C0. "
            f"Tables use booktabs. Measured: preset "
            f"{res.preset_name}, {res.scale()}, {res.hardware()}. Paper: {scale}.")

@@ -122,8 +122,14 @@ def test_t1_from_known_numbers(fake, tmp_path):
 def test_t2_pairs_each_seed_with_its_own_c0(fake, tmp_path):
     md, _ = make_t2(Results.load(fake), paper_figures.paper_numbers(), tmp_path)
     rows = {line.split(" | ")[0].lstrip("| "): line for line in md.read_text().splitlines() if line.startswith("| ")}
-    assert "| +0.200000 ± 0.000000 (n=2) | +0.200000 ± 0.000000 (n=2) |" in rows["LRM"]
-    assert "| +0.250000 ± 0.000000 (n=2) | +0.250000 ± 0.000000 (n=2) |" in rows["random"]
+    for name, scorer, delta in (("LRM", "lrm", 0.2), ("random", "random", 0.25)):
+        # the all-steps column: mean over steps of loss(C20) - loss(C0), seed by seed
+        gaps = [sum(math.log(final_ppl(0.2, scorer, s) + 0.1 * (10 - k)) - math.log(final_ppl(0.0, "lrm", s)
+                                                                                 + 0.1 * (10 - k))
+                    for k in range(1, 11)) / 10 for s in (0, 1)]
+        m, sd = mean_std(gaps)
+        assert f"| +{delta:.6f} ± 0.000000 (n=2) | {m:+.6f} ± {sd:.6f} (n=2) |" in rows[name], rows[name]
+    assert "Δloss measured (mean over all steps, nats)" in md.read_text()
 
 
 def test_a_missing_run_says_not_run(fake, tmp_path):
