@@ -59,14 +59,34 @@ def _report(res: Results, out: Path, paper: dict, status: dict) -> str:
                 elif f.suffix == ".png":
                     lines += [f"![{key}]({rel.as_posix()})", ""]
         else:
-            lines += [f"Not yet produced: needs {m.needs}.", "", f"Paper ({m.kind}): `{_paper_line(key, paper)}`", ""]
+            lines += [f"Not yet produced: needs {m.needs}.", "", f"Paper's numbers for this {m.kind}:", "",
+                      *_paper_table(key, paper), ""]
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _paper_line(key: str, paper: dict) -> str:
-    """The paper's numbers that belong to a table/figure (entries whose ``belongs_to`` lists it)."""
-    found = {name: {k: v for k, v in p.items() if k not in ("title", "belongs_to")}
-             for name, p in paper.items() if isinstance(p, dict) and key in p.get("belongs_to", ())}
-    if len(found) == 1:
-        found = next(iter(found.values()))
-    return json.dumps(found, separators=(", ", ": "))
+def _paper_table(key: str, paper: dict) -> list[str]:
+    """The paper's numbers that belong to a table/figure (entries whose ``belongs_to`` lists it) as
+    a Markdown table: one row per number, named by its path in ``paper_numbers.json``."""
+    rows = []
+    for name, entry in paper.items():
+        if not (isinstance(entry, dict) and key in entry.get("belongs_to", ())):
+            continue
+        if entry.get("unit"):
+            rows.append([name, "unit", entry["unit"]])
+        for path, value in _flatten({k: v for k, v in entry.items() if k not in ("title", "belongs_to", "unit")}):
+            rows.append([name, " / ".join(path), value])
+    if not rows:
+        return ["(none in paper_numbers.json)"]
+    out = ["| paper entry | quantity | value |", "|---|---|---|"]
+    return out + [f"| {a} | {b} | {c} |" for a, b, c in rows]
+
+
+def _flatten(d: dict, path: tuple = ()):
+    """(key path, value text) of every leaf; lists of numbers are written on one line."""
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _flatten(v, (*path, str(k)))
+        elif isinstance(v, list):
+            yield (*path, str(k)), ", ".join(json.dumps(x) if not isinstance(x, str) else x for x in v)
+        else:
+            yield (*path, str(k)), v if isinstance(v, str) else json.dumps(v)

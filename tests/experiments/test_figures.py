@@ -159,6 +159,11 @@ def test_make_all_writes_tables_figures_and_the_report(made):
     for key in ("T3", "T4", "T5", "F3", "F4"):
         assert f"## {key}: {MAKERS[key].title}\n\nNot yet produced: needs {MAKERS[key].needs}." in report
     assert "left out" not in report
+    # the paper's numbers of the tables not produced yet: a table, not raw JSON
+    t4 = report[report.index("## T4:"):report.index("## T5:")]
+    assert "| paper entry | quantity | value |" in t4 and "| T4 | unit | GiB per GPU |" in t4
+    assert "| T4 | subtotal / LRMoE | 5.44 |" in t4 and "{" not in t4
+    assert "| T3 | reduction_vs_symi_pct / qwen3 | 42.5, 43.2 |" in report
 
 
 def test_a_corrupt_summary_is_named_in_the_report_and_on_stderr(fake, capsys):
