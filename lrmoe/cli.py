@@ -17,6 +17,7 @@ COMMANDS = {
     "train": "lrmoe.train.cli",
     "reproduce": "lrmoe.reproduce",
     "figures": "paper_figures.cli",
+    "simulate": "lrmoe.sim.cli",
 }
 
 

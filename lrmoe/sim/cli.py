@@ -1,0 +1,115 @@
+"""``lrmoe simulate``: replay routing through the real planners and the hardware model.
+
+    lrmoe simulate --list
+    lrmoe simulate --scenario paper-qwen3 --out results/sim/paper-qwen3
+    lrmoe simulate --scenario paper                      # the four paper scenarios, results/sim/<name>/
+    lrmoe simulate --scenario pressure-glm --trace my_trace.npz --hardware h200-sxm
+
+Each scenario writes ``simulation.json``, its tables (``tables/*.md`` + ``.tex``) and figures
+(``figures/*.png`` + ``.pdf``). Every number is simulated: the hardware preset and the trace are
+written beside it (docs/simulator.md).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+PAPER_SET = ("paper-qwen3", "paper-glm", "pressure-qwen3", "pressure-glm")
+
+
+def register_cli(sub) -> None:
+    ap = sub.add_parser("simulate", help="simulate the paper's system results (T4, T5, F3, F5) on a hardware model",
+                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--list", action="store_true", help="name the scenarios and hardware presets, then exit")
+    ap.add_argument("--scenario", default=None, metavar="NAME",
+                    help="a scenario of --list, 'paper' (the four paper scenarios) or 'all'")
+    ap.add_argument("--trace", type=Path, default=None, metavar="PATH",
+                    help="a routing trace file (docs/simulator.md) to replay instead of the scenario's workload")
+    ap.add_argument("--hardware", default=None, metavar="NAME", help="hardware preset (default: the scenario's)")
+    ap.add_argument("--steps", type=int, default=None, help="trace steps to simulate (default: the scenario's)")
+    ap.add_argument("--layers", type=int, default=None, help="MoE layers to simulate (default: the scenario's)")
+    ap.add_argument("--no-planning", dest="planning", action="store_false",
+                    help="leave the planners' host time out of the forward")
+    ap.add_argument("--out", type=Path, default=Path("results/sim"),
+                    help="output folder (one scenario: DIR/simulation.json; several: DIR/<scenario>/)")
+    ap.set_defaults(func=run)
+
+
+def _fail(msg: str) -> int:
+    print(f"lrmoe simulate: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def run(args) -> int:
+    from ..environment import git_revision
+    from ..files import write_json
+    from .hardware import get_hardware, hardware_names
+    from .scenarios import get_scenario, run_scenario, scenario_names
+
+    if args.list:
+        from .scenarios import SCENARIOS
+        for name, sc in SCENARIOS.items():
+            print(f"{name:16s} {sc.description}")
+        print("hardware presets: " + ", ".join(hardware_names()))
+        return 0
+    if args.scenario is None:
+        return _fail("give --scenario NAME (or --list); scenarios: " + ", ".join(scenario_names()) + ", paper, all")
+    names = {"paper": list(PAPER_SET), "all": scenario_names()}.get(args.scenario, [args.scenario])
+    try:
+        scenarios = [get_scenario(n) for n in names]
+        if args.hardware is not None:
+            get_hardware(args.hardware)
+    except ValueError as e:
+        return _fail(str(e))
+    for flag, v in (("--steps", args.steps), ("--layers", args.layers)):
+        if v is not None and v < 1:
+            return _fail(f"{flag} must be >= 1, got {v}")
+    if args.out.exists() and not args.out.is_dir():
+        return _fail(f"--out {args.out} is a file; give a folder")
+    trace = None
+    if args.trace is not None:
+        from ..files import CorruptFileError
+        from .trace import load_trace
+        try:
+            trace = load_trace(args.trace)
+        except (OSError, CorruptFileError, ValueError) as e:
+            return _fail(f"--trace {args.trace}: {e}")
+    from paper_figures.results import paper_numbers
+    from paper_figures.simulation import make_figures, make_tables
+
+    paper = paper_numbers()
+    rev = git_revision()
+    t_all = time.perf_counter()
+    for sc in scenarios:
+        changes = {k: v for k, v in (("steps", args.steps), ("layers", args.layers)) if v is not None}
+        sc = dataclasses.replace(sc, **changes)
+        if trace is not None:
+            tr = trace
+            if args.steps is not None or args.layers is not None:
+                from .trace import Trace
+                tr = Trace(trace.counts[: args.steps or None, : args.layers or None], dict(trace.meta))
+        else:
+            tr = None
+        out = args.out if len(scenarios) == 1 else args.out / sc.name
+        t0 = time.perf_counter()
+        print(f"[simulate] {sc.name}: {sc.description}", file=sys.stderr, flush=True)
+        try:
+            result = run_scenario(sc, tr, hardware=args.hardware, include_planning=args.planning,
+                                  progress=lambda msg: print(f"[simulate] {msg}", file=sys.stderr, flush=True))
+        except ValueError as e:
+            return _fail(f"{sc.name}: {e}")
+        result["git_rev"] = rev
+        result["wall_s"] = time.perf_counter() - t0
+        path = write_json(Path(out) / "simulation.json", result)
+        made = make_tables(result, paper, Path(out)) + make_figures(result, paper, Path(out))
+        for p in made:
+            if p.suffix == ".md":
+                print(p.read_text())
+        print(f"[simulate] {sc.name}: {result['wall_s']:.1f} s; wrote {path} and {len(made)} tables/figures",
+              file=sys.stderr)
+    if len(scenarios) > 1:
+        print(f"[simulate] {len(scenarios)} scenarios in {time.perf_counter() - t_all:.1f} s", file=sys.stderr)
+    return 0

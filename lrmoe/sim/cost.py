@@ -1,0 +1,109 @@
+"""The cost model: how long one MoE layer takes under one executed plan, per phase.
+
+Every phase is a step of the expert-parallel runtime (:mod:`lrmoe.parallel.function`) and ends
+with its slowest rank (the collectives synchronise the ranks), so a phase's time is the maximum
+over ranks of that rank's time. docs/simulator.md ("Cost model") writes each term down; the
+notation is the plan's: ``send[s, i]`` pairs source s sends to instance i, ``quota[s, i]`` of them
+kept in backward, instances on ranks ``rank_N``; H hidden, I expert FFN, b bytes per value.
+
+Forward: ``demand`` (all-gather of the [G, E] counts), ``plan`` (the planner's measured host
+time, given by the caller), ``weight_sync`` (replica weights, owner -> host), ``dispatch`` (token
+rows to instances), ``gemm`` (gate/up and down grouped GEMMs, 6 H I FLOPs per row, + SwiGLU),
+``combine`` (outputs back, + one fp32 ||h||^2 per row when the backward selects).
+Backward: ``router_grad`` (alpha gradient of every routed pair: reads O and g), ``score_select``
+(when selecting), ``grad_rows`` (kept rows to the expert side: compact sends kept rows and their
+int32 positions, mask and full send every row), ``gather`` (the compact path's gathers of kept X
+and GU rows; zero when the hardware fuses them into the GEMM loads), ``gemm`` (dgrad + wgrad on
+the kept rows, 12 H I FLOPs per row, + the SwiGLU backward), ``dx`` (dX rows back),
+``weight_grads`` (replica gradients back to their owners).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..planning.plan import Cluster, ModelDims, Plan
+from .hardware import Hardware
+
+FORWARD = ("demand", "plan", "weight_sync", "dispatch", "gemm", "combine")
+BACKWARD = ("router_grad", "score_select", "grad_rows", "gather", "gemm", "dx", "weight_grads")
+
+
+def _a2a(hw: Hardware, cluster: Cluster, bytes_GG: np.ndarray) -> float:
+    """Slowest rank of one all-to-all whose rank s sends bytes_GG[s, t] to rank t (diagonal: local)."""
+    G = bytes_GG.shape[0]
+    if G == 1:
+        return 0.0
+    b = bytes_GG.astype(np.float64).copy()
+    np.fill_diagonal(b, 0.0)
+    dom = cluster.domain_G
+    same = dom[:, None] == dom[None, :]
+    fast = np.maximum((b * same).sum(1), (b * same).sum(0))
+    net = np.maximum((b * ~same).sum(1), (b * ~same).sum(0))
+    return max(hw.a2a_seconds(f, n) for f, n in zip(fast.tolist(), net.tolist()))
+
+
+def _to_ranks(x_GN: np.ndarray, rank_N: np.ndarray, G: int) -> np.ndarray:
+    """[G, N] per (source, instance) -> [G, G] per (source, destination rank)."""
+    out = np.zeros((G, G), dtype=np.float64)
+    for t in range(G):
+        out[:, t] = x_GN[:, rank_N == t].sum(1)
+    return out
+
+
+def replica_bytes_GG(plan: Plan, dims: ModelDims, bytes_per_param: int) -> np.ndarray:
+    """[G, G] bytes of replica weights (or their gradients, reversed) from owners to hosts."""
+    G = plan.demand_GE.shape[0]
+    epr = dims.num_experts // G
+    out = np.zeros((G, G), dtype=np.float64)
+    per = 3 * dims.hidden * dims.intermediate * bytes_per_param
+    for e, r in zip(plan.expert_N[plan.is_replica_N].tolist(), plan.rank_N[plan.is_replica_N].tolist()):
+        out[e // epr, r] += per
+    return out
+
+
+def layer_cost(plan: Plan, cluster: Cluster, dims: ModelDims, hw: Hardware, *, selects: bool, compact: bool = True,
+               plan_seconds: float = 0.0) -> dict:
+    """Phase times (seconds, slowest rank each) of one executed plan (one microbatch piece):
+    ``{"forward": {phase: s}, "backward": {phase: s}, "forward_s", "backward_s", "total_s",
+    "pairs", "kept"}``. ``selects``: the backward scores and selects; ``compact``: the compact
+    path (kept rows only cross the network and enter the GEMMs) rather than mask."""
+    G = plan.demand_GE.shape[0]
+    H, I, b = dims.hidden, dims.intermediate, dims.dtype_bytes
+    send, quota, rank_N = plan.send_GN, plan.backward_quota_GN, plan.rank_N
+    compacts = selects and compact and bool((quota != send).any())
+    rows_N, kept_N = send.sum(0), quota.sum(0)
+    pairs_G = send.sum(1)  # computed pairs of each rank's own tokens (over-capacity drops excluded)
+    row_GG = _to_ranks(send, rank_N, G) * (H * b)
+    back_rows_N = kept_N if compacts else rows_N
+    back_GG = _to_ranks(quota if compacts else send, rank_N, G) * (H * b + (4 if compacts else 0))
+    has_replica = bool(plan.is_replica_N.any())
+
+    def per_rank(fn) -> float:
+        return max((fn(r) for r in range(G)), default=0.0)
+
+    def on(r):
+        return np.flatnonzero(rank_N == r)
+
+    fwd = {
+        "demand": hw.a2a_latency_s if G > 1 else 0.0,  # [G, E] int64 counts: latency-bound
+        "plan": float(plan_seconds),
+        "weight_sync": _a2a(hw, cluster, replica_bytes_GG(plan, dims, b)) if has_replica else 0.0,
+        "dispatch": _a2a(hw, cluster, row_GG),
+        "gemm": per_rank(lambda r: hw.gemm_seconds(rows_N[on(r)], 6.0 * H * I, calls=2)
+                         + hw.hbm_seconds(int(rows_N[on(r)].sum()) * 3 * I * b)),  # SwiGLU: read 2I, write I
+        "combine": _a2a(hw, cluster, row_GG.T * ((H * b + (4 if selects else 0)) / (H * b))),
+    }
+    bwd = {
+        "router_grad": per_rank(lambda r: hw.hbm_seconds(int(pairs_G[r]) * 2 * H * b)),  # O rows and g per pair
+        "score_select": per_rank(lambda r: hw.hbm_seconds(int(pairs_G[r]) * 16)) if selects else 0.0,
+        "grad_rows": _a2a(hw, cluster, back_GG),
+        "gather": 0.0 if (hw.fuse_gather or not compacts)
+        else per_rank(lambda r: hw.hbm_seconds(2 * int(kept_N[on(r)].sum()) * (H + 2 * I) * b)),
+        "gemm": per_rank(lambda r: hw.gemm_seconds(back_rows_N[on(r)], 12.0 * H * I, calls=4)
+                         + hw.hbm_seconds(int(back_rows_N[on(r)].sum()) * 5 * I * b)),  # SwiGLU bwd: GU, dh -> dGU
+        "dx": _a2a(hw, cluster, back_GG.T),
+        "weight_grads": _a2a(hw, cluster, replica_bytes_GG(plan, dims, b).T) if has_replica else 0.0,
+    }
+    f, k = sum(fwd.values()), sum(bwd.values())
+    return {"forward": fwd, "backward": bwd, "forward_s": f, "backward_s": k, "total_s": f + k,
+            "pairs": int(send.sum()), "kept": int(quota.sum())}

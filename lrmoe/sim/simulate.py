@@ -1,0 +1,164 @@
+"""Replay a routing trace through the real planners and the cost model, per method.
+
+For every step and MoE layer of the trace, each method's plan is made by
+:func:`lrmoe.planning.step.plan_layer` (the function the expert-parallel runtime calls), timed on
+this host, and executed as the runtime executes it: a ``split_microbatch:N`` plan runs N pieces,
+each planned on its own demand with fallback ``oom`` (the simulator has counts, not tokens: piece
+j gets ``d * (j + 1) // N - d * j // N`` of every count, where the runtime splits its tokens into
+contiguous slices), each paying its fixed costs; an ``oom`` plan cannot run (no time, no useful
+pairs, counted). SYMI's state carries from step to step per layer, as in the runtime.
+
+Per method the result holds the memory of the executed plans (worst rank per component, median
+and max over the (step, layer) plans), the forward and backward time per layer (median; also per
+phase), the planning time, the fallbacks, and the throughput: useful pairs (pairs computed in
+forward: routed pairs minus those dropped over capacity) per second of MoE-layer time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections import Counter
+from typing import Callable
+
+import numpy as np
+
+from ..planning.memory import GIB
+from ..planning.plan import Cluster, ModelDims
+from ..planning.step import plan_layer
+from .cost import BACKWARD, FORWARD, layer_cost
+from .hardware import Hardware, get_hardware
+
+MODES = ("compact", "mask", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One method as the runtime runs it: a placement policy and its options, and the backward
+    policy's drop ratio, mode and quota policy (a baseline at drop 0 keeps every pair)."""
+
+    name: str
+    placement: str
+    options: dict = dataclasses.field(default_factory=dict)
+    drop_ratio: float = 0.0
+    mode: str = "compact"
+    quota: str = "waterfill"
+    quota_options: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"method {self.name!r}: mode must be one of {MODES}, got {self.mode!r}")
+        if not 0.0 <= self.drop_ratio < 1.0:
+            raise ValueError(f"method {self.name!r}: drop_ratio must be in [0, 1), got {self.drop_ratio!r}")
+
+    @property
+    def selects(self) -> bool:
+        return self.mode != "full" and self.drop_ratio > 0
+
+
+#: The paper's four methods: baselines dropless with the full backward, LRMoE at C20 (waterfill).
+PAPER_METHODS = (Method("fixed", "fixed"), Method("symi", "symi"), Method("ultraep", "ultraep"),
+                 Method("lrmoe", "lrmoe", drop_ratio=0.2))
+
+
+def even_pieces(demand_GE: np.ndarray, n: int) -> list[np.ndarray]:
+    """n pieces of every count, as even as possible (sum to the demand exactly)."""
+    return [demand_GE * (j + 1) // n - demand_GE * j // n for j in range(n)]
+
+
+def _summ(values) -> dict:
+    v = list(values)
+    if not v:
+        return {"median": None, "max": None, "mean": None}
+    return {"median": statistics.median(v), "max": max(v), "mean": statistics.fmean(v)}
+
+
+def run_method(method: Method, counts_SLGE: np.ndarray, cluster: Cluster, dims: ModelDims, hw: Hardware,
+               budget_bytes: float, *, include_planning: bool = True,
+               progress: Callable[[int, int], None] | None = None) -> dict:
+    """Replay counts [steps, layers, G, E] for one method (module docstring)."""
+    S, L = counts_SLGE.shape[:2]
+    states: list = [None] * L
+    kw = dict(options=method.options, selects=method.selects, drop_ratio=method.drop_ratio, quota=method.quota,
+              quota_options=method.quota_options)
+    fallbacks: Counter = Counter()
+    mem = {k: [] for k in ("base", "replicas", "tokens", "subtotal")}
+    fwd, bwd, plan_ms, total_s = [], [], [], 0.0
+    phases = {("forward", p): [] for p in FORWARD} | {("backward", p): [] for p in BACKWARD}
+    useful = routed = dropped = kept = replicas = 0
+    oom = 0
+    for s in range(S):
+        for layer in range(L):
+            d = counts_SLGE[s, layer]
+            t0 = time.perf_counter()
+            plan = plan_layer(method.placement, d, cluster, dims, budget_bytes, state=states[layer], **kw)
+            plan_s = time.perf_counter() - t0
+            states[layer] = plan.state
+            routed += int(d.sum())
+            fallbacks[plan.fallback or "none"] += 1
+            if plan.fallback == "oom":
+                oom += 1
+                continue
+            pieces = [plan] if plan.num_splits == 1 else []
+            for piece in (even_pieces(d, plan.num_splits) if plan.num_splits > 1 else []):
+                t1 = time.perf_counter()
+                pieces.append(plan_layer(method.placement, piece, cluster, dims, budget_bytes, state=states[layer],
+                                         piece=True, **kw))
+                plan_s += time.perf_counter() - t1
+            costs = [layer_cost(p, cluster, dims, hw, selects=method.selects, compact=method.mode == "compact",
+                                plan_seconds=(plan_s if j == 0 else 0.0) if include_planning else 0.0)
+                     for j, p in enumerate(pieces)]
+            summaries = [p.memory.summary() for p in pieces]
+            mem["base"].append(max(m["base"] for m in summaries) / GIB)
+            mem["replicas"].append(max(m["replicas"] for m in summaries) / GIB)
+            mem["tokens"].append(max(m["tokens"] for m in summaries) / GIB)
+            mem["subtotal"].append(max(m["total"] for m in summaries) / GIB)
+            f, k = sum(c["forward_s"] for c in costs), sum(c["backward_s"] for c in costs)
+            fwd.append(f * 1e3)
+            bwd.append(k * 1e3)
+            plan_ms.append(plan_s * 1e3)
+            total_s += f + k
+            for (part, p), v in phases.items():
+                v.append(sum(c[part][p] for c in costs) * 1e3)
+            u = sum(c["pairs"] for c in costs)
+            useful += u
+            dropped += int(d.sum()) - u
+            kept += sum(c["kept"] for c in costs)
+            replicas += sum(int(p.is_replica_N.sum()) for p in pieces)
+        if progress is not None:
+            progress(s + 1, S)
+    ran = len(fwd)
+    return {
+        "method": dataclasses.asdict(method),
+        "plans": S * L, "ran": ran, "oom": oom, "fallbacks": dict(sorted(fallbacks.items())),
+        "memory_gib": {k: _summ(v)["median"] for k, v in mem.items()},
+        "memory_gib_max": {k: _summ(v)["max"] for k, v in mem.items()},
+        "forward_ms_per_layer": _summ(fwd)["median"], "backward_ms_per_layer": _summ(bwd)["median"],
+        "total_ms_per_layer": _summ([a + b for a, b in zip(fwd, bwd)])["median"],
+        "planning_ms_per_layer": _summ(plan_ms)["median"],
+        "phases_ms": {part: {p: _summ(phases[(part, p)])["median"] for p in (FORWARD if part == "forward" else BACKWARD)}
+                      for part in ("forward", "backward")},
+        "pairs": {"routed": routed, "useful": useful, "dropped_over_capacity": dropped, "kept_backward": kept},
+        "replicas_per_plan": replicas / ran if ran else None,
+        "moe_seconds": total_s,
+        "pairs_per_s": useful / total_s if total_s > 0 else 0.0,
+    }
+
+
+def simulate(counts_SLGE: np.ndarray, methods, cluster: Cluster, dims: ModelDims, hardware: str | Hardware,
+             budget_bytes: float = math.inf, *, include_planning: bool = True,
+             progress: Callable[[str, int, int], None] | None = None) -> dict:
+    """Every method on the same counts; ``{"hardware": ..., "methods": {name: run_method(...)}}``."""
+    hw = get_hardware(hardware)
+    counts = np.asarray(counts_SLGE)
+    if counts.ndim != 4 or counts.shape[2:] != (cluster.num_ranks, dims.num_experts):
+        raise ValueError(f"counts must be [steps, layers, G={cluster.num_ranks}, E={dims.num_experts}], "
+                         f"got shape {counts.shape}")
+    out = {}
+    for m in methods:
+        cb = None if progress is None else (lambda s, n, name=m.name: progress(name, s, n))
+        out[m.name] = run_method(m, counts, cluster, dims, hw, budget_bytes, include_planning=include_planning,
+                                 progress=cb)
+    return {"hardware": dataclasses.asdict(hw), "budget_gib": budget_bytes / GIB if math.isfinite(budget_bytes)
+            else None, "methods": out}

@@ -1,0 +1,190 @@
+"""Tables and figures of the cluster simulator's results (``simulation.json`` of ``lrmoe simulate``):
+T4 memory, T5 backward latency, F3 throughput under pressure and the F5 sweeps, each beside the
+paper's numbers and labelled simulated, with its hardware preset and trace."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from lrmoe.files import atomic_write, write_text
+
+PAPER_NAMES = {"fixed": "Megatron-LM", "symi": "SYMI", "ultraep": "UltraEP", "lrmoe": "LRMoE"}
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    sns.set_theme(style="whitegrid", context="paper")  # the style of paper_figures.figures
+    return plt, sns
+
+
+def _save(fig, out: Path, stem: str) -> list[Path]:
+    paths = [out / "figures" / f"{stem}.{ext}" for ext in ("png", "pdf")]
+    for path in paths:
+        atomic_write(path, lambda f, path=path: fig.savefig(f, format=path.suffix[1:], bbox_inches="tight",
+                                                             **({"dpi": 150} if path.suffix == ".png" else {})))
+    return paths
+
+
+def _label(result: dict) -> str:
+    sc, tr, hw = result["scenario"], result["trace"], result["hardware"]["name"]
+    budget = "no budget" if result["budget_gib"] is None else f"per-layer budget {result['budget_gib']:.2f} GiB"
+    src = tr.get("workload") or tr.get("source", "trace")
+    return (f"Simulated ({hw}; {sc['model']}, EP{sc['ranks']}, {sc['tokens_per_rank']} tokens per GPU, "
+            f"{budget}; trace: {src}, shape {tr.get('shape')}; {sc['name']})")
+
+
+def _table(head, rows) -> str:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(out + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def _tex(caption: str, head, rows) -> str:
+    def esc(s):
+        return str(s).replace("\\", r"\textbackslash{}").replace("&", r"\&").replace("%", r"\%").replace(
+            "_", r"\_").replace("#", r"\#").replace("×", r"$\times$").replace("—", "--")
+
+    lines = [r"\begin{table}[t]", r"\centering", r"\small", rf"\begin{{tabular}}{{l{'r' * (len(head) - 1)}}}",
+             r"\toprule", " & ".join(esc(h) for h in head) + r" \\", r"\midrule"]
+    lines += [" & ".join(esc(c) for c in r) + r" \\" for r in rows]
+    lines += [r"\bottomrule", r"\end{tabular}", rf"\caption{{{esc(caption)}}}", r"\end{table}", ""]
+    return "\n".join(lines)
+
+
+def _f(v, d=2):
+    return "—" if v is None else f"{v:.{d}f}"
+
+
+def t4_rows(result: dict, paper: dict) -> list[list[str]]:
+    p = paper.get("T4", {})
+    rows = []
+    for name, m in result["methods"].items():
+        mem, pn = m["memory_gib"], PAPER_NAMES.get(name, name)
+        rows.append([name, _f(mem["base"]), _f(mem["replicas"]), _f(mem["tokens"]), _f(mem["subtotal"]),
+                     _f(m["memory_gib_max"]["subtotal"]), _f(p.get("token_buffers", {}).get(pn)),
+                     _f(p.get("subtotal", {}).get(pn))])
+    return rows
+
+
+T4_HEAD = ["method", "base GiB", "replicas GiB", "tokens GiB", "subtotal GiB (median)", "subtotal GiB (max)",
+           "paper tokens", "paper subtotal"]
+
+
+def t5_rows(result: dict, paper: dict) -> list[list[str]]:
+    vals = paper.get("T5", {}).get("values", {})
+    rows = []
+    for name, m in result["methods"].items():
+        ph = m["phases_ms"]["backward"]
+        paper_v = vals.get("LRMoE") if name == "lrmoe" else (vals.get("baseline") if name == "fixed" else None)
+        rows.append([name, _f(m["backward_ms_per_layer"]), _f(ph["gemm"]), _f(ph["grad_rows"] + ph["dx"]),
+                     _f(ph["router_grad"] + ph["score_select"] + ph["gather"]), _f(ph["weight_grads"]),
+                     _f(m["forward_ms_per_layer"]), _f(m["planning_ms_per_layer"]), _f(paper_v)])
+    return rows
+
+
+T5_HEAD = ["method", "backward ms/layer", "GEMMs", "all-to-alls", "router grad + scoring + gathers",
+           "replica grads", "forward ms/layer", "planning ms (this host)", "paper backward"]
+
+
+def fallback_summary(counts: dict) -> str:
+    """{"split_microbatch:7": 3, "none": 2} -> "none 2, split 7 (3)"; splits as a range of piece counts."""
+    splits = {int(k.split(":")[1]): v for k, v in counts.items() if k.startswith("split_microbatch:")}
+    parts = [f"{k} {v}" for k, v in sorted(counts.items()) if not k.startswith("split_microbatch:")]
+    if splits:
+        lo, hi = min(splits), max(splits)
+        parts.append(f"split {lo}{'' if lo == hi else f'-{hi}'} ({sum(splits.values())})")
+    return ", ".join(parts)
+
+
+def f3_rows(result: dict, paper: dict) -> tuple[list[str], list[list[str]]]:
+    pressures = list(next(iter(result["methods"].values()))["throughput"])
+    vals = paper.get("F3", {}).get("values", {})
+    head = ["method"] + [f"{k}x (% of LRMoE)" for k in pressures] + ["fallbacks at the largest", "paper 20x"]
+    rows = []
+    for name, m in result["methods"].items():
+        tp = m["throughput"]
+        last = tp[pressures[-1]]
+        fb = fallback_summary(last["fallbacks"])
+        rows.append([name] + [_f(100 * tp[k]["relative"], 1) for k in pressures] + [fb, _f(vals.get(PAPER_NAMES.get(name)), 1)])
+    return head, rows
+
+
+def f5_rows(result: dict) -> tuple[list[str], list[list[str]]]:
+    sw = result["sweep"]
+    names = list(sw["points"][0]["methods"])
+    head = [sw["field"]] + [f"{n} total ms/layer" for n in names] + [f"LRMoE speed-up vs {n}" for n in names if n != "lrmoe"]
+    rows = []
+    for pt in sw["points"]:
+        ms = {n: pt["methods"][n]["moe_seconds"] / max(pt["methods"][n]["ran"], 1) * 1e3 for n in names}
+        oom = {n: pt["methods"][n]["oom"] for n in names}
+        cells = [f"{pt['value']:g}"] + [(_f(ms[n]) + (f" ({oom[n]} oom)" if oom[n] else "")) for n in names]
+        cells += [_f(ms[n] / ms["lrmoe"]) if "lrmoe" in ms and ms["lrmoe"] else "—" for n in names if n != "lrmoe"]
+        rows.append(cells)
+    return head, rows
+
+
+def make_tables(result: dict, paper: dict, out: Path) -> list[Path]:
+    """Markdown + LaTeX tables of one scenario's result under ``out/tables``."""
+    label, name = _label(result), result["scenario"]["name"]
+    tables = []
+    if result.get("sweep"):
+        head, rows = f5_rows(result)
+        tables.append(("F5", f"F5 {name}: MoE-layer time per layer (fwd + bwd, median plan; ms) as "
+                             f"{result['sweep']['field']} varies", head, rows))
+    else:
+        want = result["scenario"].get("tables", ())
+        if "T4" in want:
+            tables.append(("T4", f"T4 {name}: memory of the executed plans per GPU (worst rank; median over "
+                                 "steps and layers)", T4_HEAD, t4_rows(result, paper)))
+        if "T5" in want:
+            tables.append(("T5", f"T5 {name}: time per MoE layer (median over steps and layers; ms)", T5_HEAD,
+                           t5_rows(result, paper)))
+        if "F3" in want:
+            head, rows = f3_rows(result, paper)
+            tables.append(("F3", f"F3 {name}: effective throughput (useful pairs per second) relative to LRMoE "
+                                 "at the same pressure", head, rows))
+    paths = []
+    d = Path(out) / "tables"
+    for key, title, head, rows in tables:
+        stem = f"{key}_{name}"
+        paths.append(write_text(d / f"{stem}.md", f"**{title}**\n\n{_table(head, rows)}\n\n{label}\n"))
+        paths.append(write_text(d / f"{stem}.tex", _tex(f"{title}. {label}", head, rows)))
+    return paths
+
+
+def make_figures(result: dict, paper: dict, out: Path) -> list[Path]:
+    """F3 (relative throughput against pressure) or F5 (speed-up against the swept field), PNG + PDF."""
+    plt, sns = _plt()
+    name = result["scenario"]["name"]
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    if result.get("sweep"):
+        sw = result["sweep"]
+        for n in sw["points"][0]["methods"]:
+            ys = [p["methods"][n]["moe_seconds"] / max(p["methods"][n]["ran"], 1) * 1e3 for p in sw["points"]]
+            ax.plot([p["value"] for p in sw["points"]], ys, marker="o", label=n)
+        ax.set_xlabel(sw["field"])
+        ax.set_ylabel("MoE-layer time per layer (ms)")
+        stem = f"F5_{name}"
+    elif "throughput" in next(iter(result["methods"].values())) and len(result["scenario"]["pressures"]) > 1:
+        for n, m in result["methods"].items():
+            ks = list(m["throughput"])
+            ax.plot([float(k) for k in ks], [100 * m["throughput"][k]["relative"] for k in ks], marker="o", label=n)
+        vals = paper.get("F3", {}).get("values", {})
+        for n in result["methods"]:
+            if PAPER_NAMES.get(n) in vals:
+                ax.scatter([paper["F3"].get("pressure", 20)], [vals[PAPER_NAMES[n]]], marker="x", color="k", zorder=5)
+        ax.set_xscale("log")
+        ax.set_xlabel("batch-size pressure (x)")
+        ax.set_ylabel("throughput, % of LRMoE (x: paper)")
+        stem = f"F3_{name}"
+    else:
+        plt.close(fig)
+        return []
+    ax.legend(fontsize=7)
+    ax.set_title(f"{name} (simulated, {result['hardware']['name']})", fontsize=9)
+    paths = _save(fig, Path(out), stem)
+    plt.close(fig)
+    return paths
