@@ -3,14 +3,26 @@
 Forward (every pair is computed; see docs/method.md):
   1. stable sort of pairs by expert -> permutation, demand d_e, offsets;
   2. retention quotas q_e fixed from the demand, before the expert GEMMs;
-  3. X = x[token], GU = X W_gu^T, h = silu(gate) * up, O = h W_d^T (grouped GEMMs);
+  3. X = x[token], GU = X W_gu^T, h = act(gate) * up, O = h W_d^T (grouped GEMMs; act is SiLU
+     unless an activation is given: :func:`gated`);
   4. y_t = sum_k alpha_{t,k} O_{t,k} (deterministic batched reduction); ||h_u||^2 recorded.
 Backward, given g = dL/dy:
   1. dL/dalpha_u = g_t . O_u for every pair (exact, kept or not);
   2. scores R_u = scorer(alpha, g, phi); per expert keep the q_e best (ties: lower pair index;
      non-finite scores first);
   3. compact the kept rows (alpha*g, GU, X) into contiguous per-expert buffers;
-  4. grouped GEMMs over kept rows only: dW_d, dh, SwiGLU backward, dW_gu, dX; sum dX per token (segmented, deterministic).
+  4. grouped GEMMs over kept rows only: dW_d, dh, gated-activation backward, dW_gu, dX; sum dX per
+     token (segmented, deterministic).
+
+Activations: SiLU (``activation=None``) runs the fused SwiGLU forward and backward; any other
+elementwise activation runs the general path (:func:`gated`, :func:`gated_backward`), whose
+backward takes act'(gate) from autograd on the activation itself (``torch.func.vjp``) for the rows
+entering the backward, so it is exact for whatever the activation computes.
+
+Under ``torch.compile`` the same function is traced: the host-read checks become tensor asserts
+or are skipped (see :func:`_check_inputs`), the grouped GEMMs run compile-safe operators
+(:mod:`lrmoe.kernels.grouped_gemm`), and no :class:`BackwardRecord` is filled (a record is a
+Python side effect of the backward, which a traced backward cannot have).
 """
 from __future__ import annotations
 
@@ -24,7 +36,7 @@ from torch.autograd.function import once_differentiable
 from .kernels.grouped_gemm import grouped_mm, resolve_backend
 from .kernels.routing import count_by_value, kept_positions, select_top_quota, sort_pairs_by_expert, sum_rows_by_token
 from .policy import BackwardPolicy, BackwardRecord, PolicySnapshot, check_policy
-from .quota import quota_for, retained_total
+from .quota import kept_pairs, quota_for
 from .scorers import ScoreInputs, row_norm2
 
 
@@ -112,7 +124,12 @@ def _check_inputs(hidden_TH, top_k_index_TK, top_k_weights_TK, gate_up_proj, dow
     check_routing_shapes(T, top_k_index_TK, top_k_weights_TK)
     # The range check reads the indices on the host: free on CPU; on accelerators it would cost a
     # synchronisation per layer call, so it runs there only under torch.autograd.set_detect_anomaly.
-    if (top_k_index_TK.device.type == "cpu" or torch.is_anomaly_enabled()) and top_k_index_TK.numel():
+    # Inside torch.compile (no host reads in a traced graph) it is a tensor assert, on CPU only.
+    if torch.compiler.is_compiling():
+        if top_k_index_TK.device.type == "cpu" and top_k_index_TK.numel():
+            torch._assert_async(((top_k_index_TK >= 0) & (top_k_index_TK < E)).all(),
+                                f"expert indices must be in [0, {E - 1}]")
+    elif (top_k_index_TK.device.type == "cpu" or torch.is_anomaly_enabled()) and top_k_index_TK.numel():
         lo, hi = int(top_k_index_TK.min()), int(top_k_index_TK.max())
         if lo < 0 or hi >= E:
             raise ValueError(f"expert indices must be in [0, {E - 1}], got values in [{lo}, {hi}]")
@@ -124,8 +141,12 @@ def swiglu(gu: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_backward(gu: torch.Tensor, dh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (h, dGU) for h = silu(gate) * up, given dL/dh (written in place into one buffer)."""
+    """Returns (h, dGU) for h = silu(gate) * up, given dL/dh (written in place into one buffer;
+    under torch.compile the same ops out of place, as a traced graph takes no ``out=`` views)."""
     gate, up = gu.chunk(2, dim=-1)
+    if torch.compiler.is_compiling():
+        silu = F.silu(gate)
+        return silu * up, torch.cat([torch.ops.aten.silu_backward(dh * up, gate), dh * silu], dim=-1)
     I = gate.shape[-1]
     dgu = torch.empty_like(gu)
     silu = F.silu(gate)
@@ -135,18 +156,56 @@ def swiglu_backward(gu: torch.Tensor, dh: torch.Tensor) -> tuple[torch.Tensor, t
     return silu.mul_(up), dgu
 
 
+def check_activation(activation) -> None:
+    """ValueError unless ``activation`` is None (SiLU, fused) or a callable."""
+    if activation is not None and not callable(activation):
+        raise ValueError(f"activation must be None (SiLU) or an elementwise callable tensor -> tensor, "
+                         f"got {activation!r}")
+
+
+def gated(gu: torch.Tensor, activation=None) -> torch.Tensor:
+    """h = act(gate) * up for GU rows [N, 2I] (gate half first); ``activation`` None is SiLU (fused).
+
+    Any other activation must be elementwise (a row's output depends on that row only: the
+    backward re-evaluates it on the rows it keeps); its output must have the gate's shape."""
+    if activation is None:
+        return swiglu(gu)
+    gate, up = gu.chunk(2, dim=-1)
+    act = activation(gate)
+    if not isinstance(act, torch.Tensor) or act.shape != gate.shape:
+        got = tuple(act.shape) if isinstance(act, torch.Tensor) else type(act).__name__
+        raise ValueError(f"the activation must be elementwise: it returned {got} for a gate of shape "
+                         f"{tuple(gate.shape)}")
+    return act * up
+
+
+def gated_backward(gu: torch.Tensor, dh: torch.Tensor, activation=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (h, dGU) for h = act(gate) * up given dL/dh: SiLU through :func:`swiglu_backward`;
+    any other activation through its own autograd (dL/dgate = act'(gate) * up * dL/dh as the
+    vector-Jacobian product of the activation at these rows, so it is exact for what the
+    activation computes), dL/dup = act(gate) * dL/dh."""
+    if activation is None:
+        return swiglu_backward(gu, dh)
+    gate, up = gu.chunk(2, dim=-1)
+    act, vjp = torch.func.vjp(activation, gate)
+    (dgate,) = vjp(dh * up)
+    return act * up, torch.cat([dgate, dh * act], dim=-1)
+
+
 def acc_dtype(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
     return torch.promote_types(a.dtype, b.dtype)
 
 
-def expert_backward(G_NH, GU_N2I, X_NH, offs_E, gate_up_proj, down_proj, backend="auto", x_index=None):
-    """Grouped-GEMM backward of the SwiGLU experts over the given rows (kept rows in compact mode).
+def expert_backward(G_NH, GU_N2I, X_NH, offs_E, gate_up_proj, down_proj, backend="auto", x_index=None,
+                    activation=None):
+    """Grouped-GEMM backward of the gated experts over the given rows (kept rows in compact mode;
+    ``activation`` as in :func:`gated`, None for SwiGLU).
 
     G = alpha * dL/dy rows, GU = saved gate/up pre-activations, X = expert inputs, all in the
     same expert-contiguous order described by ``offs_E`` (with ``x_index``, row i of X is
     ``X_NH[x_index[i]]``, read inside the wgrad kernel). Returns (dX [N, H], dW_gu, dW_d)."""
     dh = grouped_mm(G_NH, down_proj, offs_E, backend=backend)  # [N, I]
-    h, dGU = swiglu_backward(GU_N2I, dh)
+    h, dGU = gated_backward(GU_N2I, dh, activation)
     dW_d = grouped_mm(G_NH.t(), h, offs_E, backend=backend)  # [E, H, I]
     dW_gu = grouped_mm(dGU.t(), X_NH, offs_E, backend=backend, b_index=x_index)  # [E, 2I, H]
     dX = grouped_mm(dGU, gate_up_proj, offs_E, backend=backend)  # [N, H]
@@ -201,13 +260,14 @@ class SelectiveExperts(torch.autograd.Function):
     tools (the training step timer) can recognise its backward node by identity."""
 
     @staticmethod
-    def forward(ctx, hidden_TH, top_k_weights_TK, gate_up_proj, down_proj, top_k_index_TK, policy, record):
+    def forward(ctx, hidden_TH, top_k_weights_TK, gate_up_proj, down_proj, top_k_index_TK, policy, record,
+                activation=None):
         T, K = top_k_index_TK.shape
         E = gate_up_proj.shape[0]
         w_dtype = gate_up_proj.dtype
         perm_P, demand_E, offs_E = sort_pairs_by_expert(top_k_index_TK, E)
         P = T * K
-        n_keep = retained_total(P, policy.drop_ratio) if policy.selects else P
+        n_keep = kept_pairs(P, policy.drop_ratio) if policy.selects else P
         quota_E = (quota_for(demand_E, n_keep, policy.quota, drop_ratio=policy.drop_ratio, **policy.quota_kwargs)
                    if n_keep < P else demand_E)
 
@@ -224,7 +284,7 @@ class SelectiveExperts(torch.autograd.Function):
         else:
             X = x_TH.index_select(0, token_P)
             GU = grouped_mm(X, gate_up_proj.transpose(1, 2), offs_E, backend=backend)
-        h = swiglu(GU)
+        h = gated(GU, activation)
         inv_perm = torch.empty_like(perm_P)
         inv_perm[perm_P] = torch.arange(P, device=perm_P.device)
         if fused:  # output rows written straight back to pair order
@@ -248,7 +308,7 @@ class SelectiveExperts(torch.autograd.Function):
         # backward cannot make the gradients disagree with the selection the record reports.
         ctx.policy, ctx.record, ctx.n_keep, ctx.compacts = policy, record, n_keep, compacts
         ctx.masks = policy.mode == "mask" and n_keep < P
-        ctx.backend, ctx.fused = backend, fused
+        ctx.backend, ctx.fused, ctx.activation = backend, fused, activation
         return y
 
     @staticmethod
@@ -307,9 +367,10 @@ class SelectiveExperts(torch.autograd.Function):
         # 4. Grouped GEMMs over those rows only.
         if ctx.fused:
             dX, dW_gu, dW_d = expert_backward(G, GU_rows, hidden_TH.to(w_dtype), offs, gate_up_proj, down_proj,
-                                              backend=ctx.backend, x_index=rows_token)
+                                              backend=ctx.backend, x_index=rows_token, activation=ctx.activation)
         else:
-            dX, dW_gu, dW_d = expert_backward(G, GU_rows, X, offs, gate_up_proj, down_proj, backend=ctx.backend)
+            dX, dW_gu, dW_d = expert_backward(G, GU_rows, X, offs, gate_up_proj, down_proj, backend=ctx.backend,
+                                              activation=ctx.activation)
         watch.lap("gemm")
         grad_hidden = None
         if ctx.needs_input_grad[0]:
@@ -329,27 +390,31 @@ class SelectiveExperts(torch.autograd.Function):
                         scores=scores_TK, nonfinite=nonfinite, mode=policy.mode, drop_ratio=policy.drop_ratio,
                         scorer=None if scores_TK is None else policy.scorer,
                         buffer_bytes=buffer_bytes(G.shape[0], H, I2 // 2, G.element_size()), timings=watch.times)
-        return grad_hidden, grad_alpha, dW_gu, dW_d, None, None, None
+        return grad_hidden, grad_alpha, dW_gu, dW_d, None, None, None, None
 
 
 def lrmoe_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weights_TK: torch.Tensor,
                   gate_up_proj: torch.Tensor, down_proj: torch.Tensor, policy: BackwardPolicy | None = None,
-                  record: BackwardRecord | None = None) -> torch.Tensor:
-    """SwiGLU experts over routed pairs with LRMoE's selective, compacted backward.
+                  record: BackwardRecord | None = None, activation=None) -> torch.Tensor:
+    """Gated (SwiGLU by default) experts over routed pairs with LRMoE's selective, compacted backward.
 
     hidden_TH [T, H]; top_k_index_TK [T, K] expert ids; top_k_weights_TK [T, K] routing weights;
     gate_up_proj [E, 2I, H] (gate half first); down_proj [E, H, I]. Returns y_TH [T, H] with
     y_t = sum_k alpha_{t,k} expert_{e_{t,k}}(x_t). ``record`` (a fresh :class:`BackwardRecord`)
-    is filled when the backward runs.
+    is filled when the backward runs (not inside ``torch.compile``: there it is ignored).
+    ``activation``: None for SiLU (the fused SwiGLU path), or an elementwise callable applied to
+    the gate half (h = activation(gate) * up; the general path of :func:`gated`, exact backward).
 
     Inside ``torch.autocast``, float32 ``hidden_TH`` and weights are cast to the autocast dtype
     first (:func:`autocast_inputs`; y is then in that dtype); the function itself runs with
     autocast off. Hidden states must be floating point, on the weights' device, and of a dtype
     the compute dtype holds exactly (:func:`check_hidden`); otherwise ValueError."""
     policy = check_policy(policy)
+    check_activation(activation)
     _check_inputs(hidden_TH, top_k_index_TK, top_k_weights_TK, gate_up_proj, down_proj)
     policy = policy.snapshot(hidden_TH.device)
     hidden_TH, gate_up_proj, down_proj = autocast_inputs(hidden_TH, gate_up_proj, down_proj)
     with autocast_off(hidden_TH.device):
         return SelectiveExperts.apply(hidden_TH, top_k_weights_TK, gate_up_proj, down_proj,
-                                       top_k_index_TK.to(torch.int64), policy, record)
+                                       top_k_index_TK.to(torch.int64), policy,
+                                       None if torch.compiler.is_compiling() else record, activation)

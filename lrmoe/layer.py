@@ -21,14 +21,34 @@ def check_std(std, name: str) -> None:
                          f"1/sqrt(fan_in), got {std!r}")
 
 
+def experts_activation(act):
+    """The ``activation`` argument of :func:`lrmoe.experts.lrmoe_experts` for an activation module or
+    function: None (the fused SwiGLU path) for None, ``F.silu`` and ``nn.SiLU``; any other callable
+    as it is (the general path; it must be elementwise). ValueError for a non-callable, or for a
+    module with parameters (the experts' backward returns no gradient for them)."""
+    if act is None or act is nn.functional.silu or type(act) is nn.SiLU:
+        return None
+    if not callable(act):
+        raise ValueError(f"activation must be an elementwise callable (e.g. nn.GELU()) or None for SiLU, got {act!r}")
+    if isinstance(act, nn.Module) and next(act.parameters(), None) is not None:
+        raise ValueError(f"activation {type(act).__name__} has parameters, which the LRMoE experts would not "
+                         f"train; accepted: activations without parameters")
+    return act
+
+
 class LRMoEExperts(nn.Module):
-    """SwiGLU experts in the transformers layout with LRMoE's selective backward.
+    """Gated experts (SwiGLU by default) in the transformers layout with LRMoE's selective backward.
 
-    gate_up_proj [E, 2I, H] (gate half first), down_proj [E, H, I]. ``last_backward`` holds the
-    :class:`BackwardRecord` of the latest backward through this module."""
+    gate_up_proj [E, 2I, H] (gate half first), down_proj [E, H, I]; h = act(gate) * up with
+    ``activation`` (None or SiLU: the fused SwiGLU path; any other elementwise activation without
+    parameters, e.g. ``nn.GELU()``: the general path, see :func:`lrmoe.experts.gated`).
+    ``last_backward`` holds the :class:`BackwardRecord` of the latest backward through this module."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, policy: BackwardPolicy | None = None):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, policy: BackwardPolicy | None = None,
+                 activation=None):
         super().__init__()
+        self.activation = activation
+        experts_activation(activation)
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
@@ -43,11 +63,13 @@ class LRMoEExperts(nn.Module):
 
     def forward(self, hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weights_TK: torch.Tensor) -> torch.Tensor:
         record = None
-        if torch.is_grad_enabled():
+        if torch.compiler.is_compiling():  # a compiled backward fills no record: none rather than a stale one
+            self.last_backward = None
+        elif torch.is_grad_enabled():
             ref = weakref.ref(self)  # the autograd graph must not keep the module alive
             record = BackwardRecord(on_fill=lambda r: (m := ref()) is not None and m._on_backward(r))
         return lrmoe_experts(hidden_TH, top_k_index_TK, top_k_weights_TK, self.gate_up_proj, self.down_proj,
-                             self.policy, record)
+                             self.policy, record, experts_activation(self.activation))
 
 
 class SwiGLUMLP(nn.Module):

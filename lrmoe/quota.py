@@ -24,10 +24,24 @@ from .planning.quota import (accepts_drop_ratio, check_drop_ratio, check_min_kee
                              retained_total)
 from .registry import Registry
 
-__all__ = ["check_drop_ratio", "compute_quota", "get_quota_policy", "proportional_quota", "quota_for", "quota_policies",
-           "register_quota_policy", "retained_total", "waterfill_quota"]
+__all__ = ["check_drop_ratio", "compute_quota", "get_quota_policy", "kept_pairs", "keep_parts", "proportional_quota",
+           "quota_for", "quota_policies", "register_quota_policy", "retained_total", "waterfill_quota"]
 
 QuotaFn = Callable[..., torch.Tensor]
+
+
+@torch.compiler.assume_constant_result  # a constant of drop_ratio: torch.compile bakes it in, no Fraction traced
+def keep_parts(drop_ratio: float) -> tuple[int, int]:
+    """(numerator, denominator) of :func:`lrmoe.planning.quota.keep_fraction` (1 - drop_ratio, exact)."""
+    keep = keep_fraction(drop_ratio)
+    return keep.numerator, keep.denominator
+
+
+def kept_pairs(num_pairs: int, drop_ratio: float) -> int:
+    """:func:`retained_total` in integer arithmetic only, so that torch.compile can trace it (also for
+    a symbolic number of pairs): round((1 - drop_ratio) * P) with halves rounded up."""
+    num, den = keep_parts(drop_ratio)
+    return min(num_pairs, (2 * num * num_pairs + den) // (2 * den))
 
 
 def _top_ranks(priority_E: torch.Tensor, eligible_E: torch.Tensor) -> torch.Tensor:
@@ -53,8 +67,8 @@ def proportional_quota(demand_E: torch.Tensor, n_keep: int, drop_ratio: float | 
     if int(n_keep) == 0:
         return torch.zeros_like(d)
     if drop_ratio is not None:
-        keep = keep_fraction(drop_ratio)
-        num, den = keep.numerator, torch.as_tensor(keep.denominator, dtype=torch.int64, device=d.device)
+        num, den = keep_parts(drop_ratio)
+        den = torch.as_tensor(den, dtype=torch.int64, device=d.device)
     else:
         num, den = n_keep, torch.clamp(d.sum(), min=1)
     base = (d * num) // den  # exact integer floor of the target share
@@ -136,7 +150,7 @@ def quota_for(demand_E: torch.Tensor, n_keep: int, policy: str = "waterfill", *,
     if q.is_floating_point() or q.is_complex() or q.dtype == torch.bool:
         raise ValueError(f"quota policy {policy!r} must return integer quotas, got dtype {q.dtype}")
     q = q.to(torch.int64)
-    if d.device.type == "cpu":
+    if d.device.type == "cpu" and not torch.compiler.is_compiling():  # (no host reads in a traced graph)
         check_quota(d.numpy(), q.numpy(), n_keep, policy)
     return q
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..experts import lrmoe_experts
+from ..layer import experts_activation
 from ..policy import BackwardPolicy, BackwardRecord
 
 IMPLEMENTATION = "lrmoe"
@@ -28,9 +29,21 @@ IMPLEMENTATION = "lrmoe"
 POLICY_ATTR, RECORD_ATTR = "lrmoe_policy", "lrmoe_last_backward"
 
 
-def check_supported(experts: nn.Module) -> None:
-    """ValueError unless ``experts`` is a fused, gated SwiGLU experts module without biases or norms."""
+def activation_of(experts: nn.Module):
+    """The ``activation`` argument of :func:`lrmoe.experts.lrmoe_experts` for a transformers experts
+    module: None (the fused SwiGLU path) when its ``act_fn`` is SiLU (``nn.SiLU``, transformers'
+    ``SiLUActivation``, ``F.silu``) or absent; its ``act_fn`` itself otherwise (the general path,
+    whatever transformers put there: gelu, gelu_pytorch_tanh, relu, mish, ...)."""
     act = getattr(experts, "act_fn", None)
+    if type(act).__name__ == "SiLUActivation" and type(act).__module__ == "transformers.activations":
+        return None  # transformers' F.silu wrapper
+    return experts_activation(act)
+
+
+def check_supported(experts: nn.Module, *, any_activation: bool = True) -> None:
+    """ValueError unless ``experts`` is a fused, gated experts module without biases or norms, with
+    transformers' default gate (act(gate) * up) and an activation without parameters; with
+    ``any_activation=False`` (the expert-parallel runtime) SiLU only."""
     problems = []
     if getattr(experts, "has_bias", False):
         problems.append("expert biases")
@@ -40,8 +53,16 @@ def check_supported(experts: nn.Module) -> None:
         problems.append("non-concatenated or non-gated experts")
     if getattr(experts, "has_post_expert_norm", False):
         problems.append("post-expert norms")
-    if act is not None and not isinstance(act, nn.SiLU) and "silu" not in type(act).__name__.lower():
-        problems.append(f"activation {type(act).__name__} (only SiLU/SwiGLU)")
+    gate_fn = getattr(type(experts), "_apply_gate", None)
+    if gate_fn is not None and getattr(gate_fn, "__name__", "") != "_default_apply_gate":
+        problems.append("a custom _apply_gate (only act(gate) * up)")
+    try:
+        activation = activation_of(experts)
+    except ValueError as e:
+        problems.append(str(e))
+    else:
+        if activation is not None and not any_activation:
+            problems.append(f"activation {type(activation).__name__} (the expert-parallel runtime runs SiLU only)")
     if problems:
         raise ValueError(f"the lrmoe experts implementation does not support {', '.join(problems)} "
                          f"in {type(experts).__name__}")
@@ -53,10 +74,13 @@ def lrmoe_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_in
     check_supported(self)
     policy = getattr(self, POLICY_ATTR, None) or BackwardPolicy()
     record = None
-    if torch.is_grad_enabled():
+    if torch.compiler.is_compiling():  # a compiled backward fills no record: none is better than a stale one
+        setattr(self, RECORD_ATTR, None)
+    elif torch.is_grad_enabled():
         ref = weakref.ref(self)
         record = BackwardRecord(on_fill=lambda r: (m := ref()) is not None and setattr(m, RECORD_ATTR, r))
-    y = lrmoe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, policy, record)
+    y = lrmoe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, policy, record,
+                      activation_of(self))
     return y.to(hidden_states.dtype)
 
 

@@ -74,7 +74,7 @@ def parallelize_experts(model: nn.Module, group=None, placement: str = "fixed", 
     for m in mods:
         if isinstance(getattr(m, _EP_ATTR, None), ExpertParallel):
             raise ValueError(f"{type(m).__name__} is already expert parallel")
-        _hf.check_supported(m)
+        _hf.check_supported(m, any_activation=False)  # the runtime's expert function is SwiGLU
         E = int(m.gate_up_proj.shape[0])
         ep = ExpertParallel(E, group, placement, budget_bytes=budget_bytes, slots_per_rank=slots_per_rank,
                             fast_domains=fast_domains, **options)

@@ -87,7 +87,11 @@ def check_fused_args(mat_a, mat_b, offs, a_index, b_index, out_index, out, accum
 
 def values_checkable(t: torch.Tensor) -> bool:
     """Whether reading ``t``'s values costs no host synchronisation (CPU), or the user asked for
-    the checks anyway (``torch.autograd.set_detect_anomaly(True)``)."""
+    the checks anyway (``torch.autograd.set_detect_anomaly(True)``). Never while ``torch.compile``
+    traces: a host read of a data-dependent value cannot be traced (the compiled graph runs
+    without these value checks)."""
+    if torch.compiler.is_compiling():
+        return False
     return t.device.type == "cpu" or (torch.is_anomaly_enabled() and t.device.type != "meta")
 
 

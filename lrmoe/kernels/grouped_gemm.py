@@ -67,6 +67,28 @@ def grouped_mm_loop(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor
     return out
 
 
+# The loop as an opaque operator for torch.compile: its per-group slicing reads the offsets on the host,
+# which a traced graph cannot do, and F.grouped_mm's compiled (fake) kernel accepts bf16 only. Inside a
+# compiled region every GEMM that would run the loop, or F.grouped_mm with another dtype, runs this op
+# (as transformers routes its grouped_mm experts to an opaque fallback op there).
+@torch.library.custom_op("lrmoe::grouped_mm_loop", mutates_args=())
+def grouped_mm_loop_op(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """:func:`grouped_mm_loop` as a custom operator (opaque to torch.compile)."""
+    return grouped_mm_loop(mat_a, mat_b, offs)
+
+
+@grouped_mm_loop_op.register_fake
+def _grouped_mm_loop_fake(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    if mat_b.dim() == 3:
+        return mat_a.new_empty(mat_a.shape[0], mat_b.shape[2])
+    return mat_a.new_empty(offs.shape[0], mat_a.shape[0], mat_b.shape[1])
+
+
+def compiling() -> bool:
+    """Whether torch.compile is tracing the caller (then no host reads, no data pointers)."""
+    return torch.compiler.is_compiling()
+
+
 def aligned(t: torch.Tensor) -> bool:
     """Whether F.grouped_mm accepts ``t``'s layout: a 16-byte aligned base pointer, and the matrix
     (last two dims) row- or column-major with its leading stride a multiple of 16 bytes — decided
@@ -81,11 +103,16 @@ def aligned(t: torch.Tensor) -> bool:
         lead = s_c
     else:
         return False
-    return (lead * item) % 16 == 0 and all((s * item) % 16 == 0 for s in batch) and t.data_ptr() % 16 == 0
+    strides_ok = (lead * item) % 16 == 0 and all((s * item) % 16 == 0 for s in batch)
+    # (a traced tensor has no data pointer: the compiled kernel allocates aligned buffers)
+    return strides_ok and (compiling() or t.data_ptr() % 16 == 0)
 
 
 def torch_backend_ok(mat_a: torch.Tensor, mat_b: torch.Tensor) -> bool:
-    return mat_a.dtype in _TORCH_DTYPES and aligned(mat_a) and aligned(mat_b)
+    """Whether F.grouped_mm takes these operands: fp32/bf16/fp16 with aligned layouts; inside a
+    compiled region bf16 only (its compiled kernel accepts no other dtype)."""
+    dtypes = (torch.bfloat16,) if compiling() else _TORCH_DTYPES
+    return mat_a.dtype in dtypes and aligned(mat_a) and aligned(mat_b)
 
 
 def grouped_mm_torch(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -159,7 +186,9 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *, 
         mat_b = mat_b.index_select(0, b_index)
     if backend == "torch" and auto and not torch_backend_ok(mat_a, mat_b):
         backend = "loop"  # the gathered operands no longer qualify for F.grouped_mm
-    if backend == "loop":
+    if compiling() and (backend == "loop" or not torch_backend_ok(mat_a, mat_b)):
+        res = grouped_mm_loop_op(mat_a, mat_b, offs)  # same products as the loop and F.grouped_mm
+    elif backend == "loop":
         res = grouped_mm_loop(mat_a, mat_b, offs)
     else:
         if not torch_backend_ok(mat_a, mat_b):

@@ -134,3 +134,97 @@ def test_packed_documents_do_not_attend_to_each_other():
         cached = model(input_ids=packed, position_ids=pos).logits[:, 7:]
     torch.testing.assert_close(together, alone, rtol=1e-4, atol=1e-5)
     assert (cached - alone).abs().max() > 1e-2  # the control: the cache's causal mask mixes them
+
+
+# --------------------------------------------------------------------------- activations
+def _stock_and_lrmoe_experts(act, H=6, I=5, E=5, dtype=torch.float64, seed=0):
+    """transformers' own Qwen3-MoE experts module (eager loop, the reference) and the same module
+    class run by the "lrmoe" implementation, with the same weights."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    hf.register()
+    mods = []
+    for impl in ("eager", "lrmoe"):
+        cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, hidden_act=act,
+                             experts_implementation=impl)
+        mods.append(Qwen3MoeExperts(cfg).to(dtype))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        mods[0].gate_up_proj.copy_(torch.randn(E, 2 * I, H, generator=g, dtype=dtype) / H**0.5)
+        mods[0].down_proj.copy_(torch.randn(E, H, I, generator=g, dtype=dtype) / I**0.5)
+    mods[1].load_state_dict(mods[0].state_dict())
+    return mods
+
+
+def _routing(kind, T, E, K, g):
+    if kind == "hot":  # every token's first slot on expert 2, the others never or rarely routed
+        idx = torch.stack([torch.cat([torch.tensor([2]), torch.tensor([e for e in range(E) if e != 2])[
+            torch.randperm(E - 1, generator=g)[:K - 1]]]) for _ in range(T)])
+    elif kind == "empty":  # experts 0 and 3 get no pair
+        allowed = torch.tensor([1, 2, 4])
+        idx = torch.stack([allowed[torch.randperm(3, generator=g)[:K]] for _ in range(T)])
+    else:
+        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    return idx
+
+
+# silu and gelu_pytorch_tanh are transformers' own classes; relu is nn.ReLU; mish and quick_gelu
+# are classes the integration knows nothing of.
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_pytorch_tanh", "relu", "mish", "quick_gelu"])
+@pytest.mark.parametrize("kind,T", [("random", 9), ("hot", 7), ("empty", 6), ("random", 1)])
+@pytest.mark.parametrize("mode", ["full", "compact"])
+def test_experts_match_stock_for_every_activation(act, kind, T, mode):
+    stock, ours = _stock_and_lrmoe_experts(act)
+    hf.set_policy(ours, BackwardPolicy(0.0, mode=mode))
+    assert (hf.activation_of(ours) is None) == (act == "silu")  # only SiLU takes the fused path
+    g = torch.Generator().manual_seed(T)
+    E, K, H = 5, 2, 6
+    idx = _routing(kind, T, E, K, g)
+    x = torch.randn(T, H, generator=g, dtype=torch.float64)
+    w = torch.rand(T, K, generator=g, dtype=torch.float64) + 0.1
+    dy = torch.randn(T, H, generator=g, dtype=torch.float64)
+    res = []
+    for mod in (stock, ours):
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = mod(xx, idx, ww)
+        y.backward(dy)
+        res.append((y, xx.grad, ww.grad, mod.gate_up_proj.grad, mod.down_proj.grad))
+    for name, a, b in zip(("y", "x", "weights", "gate_up_proj", "down_proj"), *res):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12, msg=lambda m: f"{act} {kind}: {name}: {m}")
+    assert hf.backward_records(ours)[0].kept_mask.all()
+
+
+@pytest.mark.parametrize("act", ["gelu", "relu"])
+def test_model_with_activation_matches_grouped_mm(act):
+    ref = hf.build_model("qwen3-moe-tiny", experts_implementation="grouped_mm", vocab_size=61, seed=2, hidden_act=act)
+    ours = hf.build_model("qwen3-moe-tiny", vocab_size=61, seed=2, hidden_act=act, policy=BackwardPolicy(0.0))
+    ours.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(1))
+    la, lb = ref(input_ids=ids, labels=ids), ours(input_ids=ids, labels=ids)
+    la.loss.backward()
+    lb.loss.backward()
+    torch.testing.assert_close(lb.logits, la.logits, rtol=1e-5, atol=1e-6)
+    gr = dict(ref.named_parameters())
+    for n, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, gr[n].grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{act} {n}: {m}")
+
+
+def test_check_supported_refusals():
+    _, ours = _stock_and_lrmoe_experts("gelu")
+    hf.check_supported(ours)  # any activation for the single-process experts
+    with pytest.raises(ValueError, match="expert-parallel runtime runs SiLU only"):
+        hf.check_supported(ours, any_activation=False)
+    _, silu = _stock_and_lrmoe_experts("silu")
+    hf.check_supported(silu, any_activation=False)
+    ours.act_fn = torch.nn.PReLU()
+    with pytest.raises(ValueError, match="has parameters"):
+        hf.check_supported(ours)
+
+    class CustomGate(type(silu)):
+        def _apply_gate(self, gate_up_out):
+            return gate_up_out[..., ::2]
+
+    silu.__class__ = CustomGate
+    with pytest.raises(ValueError, match="custom _apply_gate"):
+        hf.check_supported(silu)
