@@ -1,0 +1,115 @@
+"""torch.compile of transformers models with the "lrmoe" experts (CPU): the compiled model against
+the same model run eagerly (same weights, same batch): loss and every gradient, in every backward
+mode, with fullgraph=True and False, fp32 and bf16, a non-SiLU activation, a batch of another
+shape (dynamic shapes), the random scorer and a changed drop ratio (graph-break path), and the
+records (none from a compiled backward). Models are one layer deep to keep compilation short;
+most tests use the aot_eager backend (dynamo + AOTAutograd: every tracing rule; no code
+generation), one uses inductor, torch.compile's default."""
+import pytest
+import torch
+
+import lrmoe.hf as hf
+from lrmoe import BackwardPolicy
+
+V = 61
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()  # no graph or recompile count carried over from another test
+    yield
+    torch._dynamo.reset()
+
+
+def twins(preset, policy, dtype=torch.float32, **over):
+    """Two identical one-layer models (policies: ``policy()`` each, so seeded generators match)."""
+    kw = {"vocab_size": V, "seed": 4, "num_hidden_layers": 1, "dtype": dtype, **over}
+    eager, compiled = hf.build_model(preset, policy=policy(), **kw), hf.build_model(preset, policy=policy(), **kw)
+    compiled.load_state_dict(eager.state_dict())
+    return eager, compiled
+
+
+def step(model, ids):
+    model.zero_grad()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_step(eager, compiled_fn, compiled, ids, rtol=1e-5, atol=1e-6, what=""):
+    """One step of ``eager`` and of ``compiled_fn`` (torch.compile of ``compiled``, whose parameters
+    it fills: read under ``compiled``'s names): equal loss and every gradient."""
+    l_e, g_e = step(eager, ids)
+    l_c, _ = step(compiled_fn, ids)
+    g_c = {n: p.grad.clone() for n, p in compiled.named_parameters() if p.grad is not None}
+    torch.testing.assert_close(l_c.float(), l_e.float(), rtol=rtol, atol=atol, msg=lambda m: f"{what} loss: {m}")
+    assert g_c.keys() == g_e.keys() and len(g_e) > 0
+    for n in g_e:
+        torch.testing.assert_close(g_c[n].float(), g_e[n].float(), rtol=rtol, atol=atol,
+                                   msg=lambda m: f"{what} grad of {n}: {m}")
+
+
+def batch(shape, seed=0):
+    return torch.randint(0, V, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("mode,act", [("full", "silu"), ("compact", "silu"), ("mask", "silu"), ("compact", "gelu")])
+def test_fullgraph_matches_eager_in_every_mode(mode, act):
+    rho = 0.0 if mode == "full" else 0.3
+    eager, model = twins("qwen3-moe-tiny", lambda: BackwardPolicy(rho, mode=mode), hidden_act=act)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    assert_same_step(eager, compiled, model, batch((2, 8)), what=f"{mode}/{act}")
+    kept = hf.backward_records(eager)[0].kept_fraction
+    assert kept == (1.0 if mode == "full" else 11 / 16)  # round(0.7 * 16) pairs: the selection was real
+
+
+def test_fullgraph_compact_with_batches_of_other_shapes():
+    eager, model = twins("qwen3-moe-tiny", lambda: BackwardPolicy(0.4))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for i, shape in enumerate([(2, 8), (3, 5), (1, 2)]):  # the second compiles with dynamic shapes
+        assert_same_step(eager, compiled, model, batch(shape, i), what=f"batch {shape}")
+
+
+def test_fullgraph_glm_full_mode():  # (layer 0 is dense: two layers for one MoE layer)
+    eager, model = twins("glm4-moe-tiny", lambda: BackwardPolicy(0.0, mode="full"), num_hidden_layers=2)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    assert_same_step(eager, compiled, model, batch((2, 8)), what="glm")
+
+
+def test_fullgraph_bf16_compact():
+    eager, model = twins("qwen3-moe-tiny", lambda: BackwardPolicy(0.3), dtype=torch.bfloat16)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    assert_same_step(eager, compiled, model, batch((2, 8)), rtol=2e-2, atol=2e-2, what="bf16")
+
+
+def test_graph_breaks_random_scorer_and_changed_drop_ratio():
+    """fullgraph=False: the random scorer's generator is not traced (the experts run eagerly behind a
+    graph break), and a changed drop ratio recompiles; both stay equal to eager."""
+    policy = lambda: BackwardPolicy(0.3, scorer="random", seed=11)  # noqa: E731
+    eager, model = twins("qwen3-moe-tiny", policy)
+    compiled = torch.compile(model, backend="aot_eager")
+    assert_same_step(eager, compiled, model, batch((2, 8)), what="random")
+    assert_same_step(eager, compiled, model, batch((2, 8), 1), what="random, second draw")
+    for m in (eager, model):
+        hf.set_policy(m, BackwardPolicy(0.5, mode="mask"))
+    assert_same_step(eager, compiled, model, batch((2, 8), 2), what="rho 0.5")
+    assert hf.backward_records(eager)[0].kept_fraction == 0.5
+
+
+def test_compiled_backward_leaves_no_stale_record():
+    eager, model = twins("qwen3-moe-tiny", lambda: BackwardPolicy(0.3))
+    ids = batch((2, 8))
+    step(model, ids)
+    assert hf.backward_records(model)[0] is not None
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    step(compiled, ids)
+    assert hf.backward_records(model) == [None]  # a compiled backward fills none; the eager one is gone
+    step(model, ids)
+    assert hf.backward_records(model)[0].kept_fraction == 11 / 16
+
+
+@pytest.mark.slow
+def test_inductor_fullgraph_full_mode():
+    eager, model = twins("qwen3-moe-tiny", lambda: BackwardPolicy(0.0, mode="full"))
+    compiled = torch.compile(model, fullgraph=True)  # the default backend (inductor)
+    assert_same_step(eager, compiled, model, batch((2, 8)), rtol=1e-4, atol=1e-5, what="inductor")
