@@ -228,3 +228,76 @@ def test_check_supported_refusals():
     silu.__class__ = CustomGate
     with pytest.raises(ValueError, match="custom _apply_gate"):
         hf.check_supported(silu)
+
+
+# --------------------------------------------------------------------------- what models do with their experts
+def _twin_models(preset="qwen3-moe-tiny", policy=None, **over):
+    ref = hf.build_model(preset, experts_implementation="grouped_mm", vocab_size=61, seed=5, **over)
+    ours = hf.build_model(preset, vocab_size=61, seed=5, policy=policy or BackwardPolicy(0.0), **over)
+    ours.load_state_dict(ref.state_dict())
+    return ref, ours
+
+
+def _loss_and_grads(model, ids):
+    model.zero_grad()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same(a, b, what, rtol=1e-5, atol=1e-6):
+    (la, ga), (lb, gb) = a, b
+    torch.testing.assert_close(lb, la, rtol=rtol, atol=atol, msg=lambda m: f"{what} loss: {m}")
+    assert ga.keys() == gb.keys() and ga
+    for n in ga:
+        torch.testing.assert_close(gb[n], ga[n], rtol=rtol, atol=atol, msg=lambda m: f"{what} {n}: {m}")
+
+
+@pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "glm4-moe-tiny"])
+def test_gradient_checkpointing(preset, monkeypatch):
+    """At drop 0 equal to stock with checkpointing; at drop 0.3 the recomputed forward selects the
+    same pairs, so checkpointing changes no gradient."""
+    import lrmoe.hf.integration as integration
+
+    calls = []
+    run = integration.lrmoe_experts
+    monkeypatch.setattr(integration, "lrmoe_experts", lambda *a, **k: calls.append(1) or run(*a, **k))
+    ids = torch.randint(0, 61, (2, 10), generator=torch.Generator().manual_seed(3))
+    ref, ours = _twin_models(preset)
+    for m in (ref, ours):
+        m.train()
+        m.activation_checkpointing_enable()
+    _assert_same(_loss_and_grads(ref, ids), _loss_and_grads(ours, ids), "checkpointed drop 0")
+    assert len(calls) == 2 * len(hf.experts_modules(ours))  # forward, then the recomputation in backward
+    plain = _loss_and_grads(_twin_models(preset, BackwardPolicy(0.3))[1].train(), ids)
+    hf.set_policy(ours, BackwardPolicy(0.3))
+    _assert_same(plain, _loss_and_grads(ours, ids), "checkpointed vs plain at drop 0.3", rtol=1e-6, atol=1e-7)
+    assert hf.backward_records(ours)[0].kept_fraction == 14 / 20  # round(0.7 * 20) pairs kept
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generate_matches_stock(cache):
+    ref, ours = _twin_models()
+    ids = torch.randint(0, 61, (2, 5), generator=torch.Generator().manual_seed(4))
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+    out_ref, out = ref.generate(ids, **kw), ours.generate(ids, **kw)
+    assert out.shape == (2, 11)
+    assert torch.equal(out, out_ref)
+
+
+def test_save_and_load_pretrained(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    _, ours = _twin_models(policy=BackwardPolicy(0.3))
+    ours.save_pretrained(tmp_path / "m")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m", experts_implementation="lrmoe")
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path / "m", experts_implementation="grouped_mm")
+    assert hf.experts_modules(loaded) and set(loaded.state_dict()) == set(ours.state_dict())
+    ids = torch.randint(0, 61, (2, 7), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        a, b, c = (m(input_ids=ids).logits for m in (ours, loaded, stock))
+    torch.testing.assert_close(b, a, rtol=0, atol=0)
+    torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-6)
+    assert hf.get_policies(loaded)[0].drop_ratio == 0.0  # a policy is set on the model, not saved with it
