@@ -1,7 +1,7 @@
 """`lrmoe bench <target> [options]`: benchmarks that print a table and write JSON."""
 from __future__ import annotations
 
-TARGETS = {"layer": "lrmoe.bench.layer", "planners": "lrmoe.bench.planners"}
+TARGETS = {"layer": "lrmoe.bench.layer", "planners": "lrmoe.bench.planners", "simulator": "lrmoe.bench.simulator"}
 
 
 def register_cli(sub) -> None:

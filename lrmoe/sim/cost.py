@@ -6,16 +6,22 @@ over ranks of that rank's time. docs/simulator.md ("Cost model") writes each ter
 notation is the plan's: ``send[s, i]`` pairs source s sends to instance i, ``quota[s, i]`` of them
 kept in backward, instances on ranks ``rank_N``; H hidden, I expert FFN, b bytes per value.
 
-Forward: ``demand`` (all-gather of the [G, E] counts), ``plan`` (the planner's measured host
+``overhead`` (both passes): the hardware's fixed host cost of one layer call (calibrated on CPUs,
+0 in the GPU presets). Forward: ``demand`` (all-gather of the [G, E] counts), ``plan`` (the planner's measured host
 time, given by the caller), ``weight_sync`` (replica weights, owner -> host), ``dispatch`` (token
 rows to instances), ``gemm`` (gate/up and down grouped GEMMs, 6 H I FLOPs per row, + SwiGLU),
-``combine`` (outputs back, + one fp32 ||h||^2 per row when the backward selects).
+``combine`` (outputs back, + one fp32 ||h||^2 per row when the backward selects), ``rows`` (the
+memory-bound row copies around them: token side, the gather of each pair's X row, the scatter of
+its output into [T, K, H] and the weighted sum, 5 H b bytes per pair; expert side, the reorder of
+received rows into expert groups and back, 4 H b bytes per row).
 Backward: ``router_grad`` (alpha gradient of every routed pair: reads O and g), ``score_select``
 (when selecting), ``grad_rows`` (kept rows to the expert side: compact sends kept rows and their
 int32 positions, mask and full send every row), ``gather`` (the compact path's gathers of kept X
 and GU rows; zero when the hardware fuses them into the GEMM loads), ``gemm`` (dgrad + wgrad on
 the kept rows, 12 H I FLOPs per row, + the SwiGLU backward), ``dx`` (dX rows back),
-``weight_grads`` (replica gradients back to their owners).
+``weight_grads`` (replica gradients back to their owners), ``rows`` (token side, building the
+alpha*g rows and summing the returned dX per token, 5 H b bytes per row sent; expert side, the
+reorder of received rows and of dX, 4 H b bytes per row).
 """
 from __future__ import annotations
 
@@ -24,8 +30,8 @@ import numpy as np
 from ..planning.plan import Cluster, ModelDims, Plan
 from .hardware import Hardware
 
-FORWARD = ("demand", "plan", "weight_sync", "dispatch", "gemm", "combine")
-BACKWARD = ("router_grad", "score_select", "grad_rows", "gather", "gemm", "dx", "weight_grads")
+FORWARD = ("overhead", "demand", "plan", "weight_sync", "dispatch", "gemm", "combine", "rows")
+BACKWARD = ("overhead", "router_grad", "score_select", "grad_rows", "gather", "gemm", "dx", "weight_grads", "rows")
 
 
 def _a2a(hw: Hardware, cluster: Cluster, bytes_GG: np.ndarray) -> float:
@@ -75,6 +81,7 @@ def layer_cost(plan: Plan, cluster: Cluster, dims: ModelDims, hw: Hardware, *, s
     pairs_G = send.sum(1)  # computed pairs of each rank's own tokens (over-capacity drops excluded)
     row_GG = _to_ranks(send, rank_N, G) * (H * b)
     back_rows_N = kept_N if compacts else rows_N
+    back_sent_G = (quota if compacts else send).sum(1)
     back_GG = _to_ranks(quota if compacts else send, rank_N, G) * (H * b + (4 if compacts else 0))
     has_replica = bool(plan.is_replica_N.any())
 
@@ -85,6 +92,7 @@ def layer_cost(plan: Plan, cluster: Cluster, dims: ModelDims, hw: Hardware, *, s
         return np.flatnonzero(rank_N == r)
 
     fwd = {
+        "overhead": hw.forward_overhead_s,
         "demand": hw.a2a_latency_s if G > 1 else 0.0,  # [G, E] int64 counts: latency-bound
         "plan": float(plan_seconds),
         "weight_sync": _a2a(hw, cluster, replica_bytes_GG(plan, dims, b)) if has_replica else 0.0,
@@ -92,8 +100,10 @@ def layer_cost(plan: Plan, cluster: Cluster, dims: ModelDims, hw: Hardware, *, s
         "gemm": per_rank(lambda r: hw.gemm_seconds(rows_N[on(r)], 6.0 * H * I, calls=2)
                          + hw.hbm_seconds(int(rows_N[on(r)].sum()) * 3 * I * b)),  # SwiGLU: read 2I, write I
         "combine": _a2a(hw, cluster, row_GG.T * ((H * b + (4 if selects else 0)) / (H * b))),
+        "rows": per_rank(lambda r: hw.hbm_seconds((5 * int(pairs_G[r]) + 4 * int(rows_N[on(r)].sum())) * H * b)),
     }
     bwd = {
+        "overhead": hw.backward_overhead_s,
         "router_grad": per_rank(lambda r: hw.hbm_seconds(int(pairs_G[r]) * 2 * H * b)),  # O rows and g per pair
         "score_select": per_rank(lambda r: hw.hbm_seconds(int(pairs_G[r]) * 16)) if selects else 0.0,
         "grad_rows": _a2a(hw, cluster, back_GG),
@@ -103,6 +113,8 @@ def layer_cost(plan: Plan, cluster: Cluster, dims: ModelDims, hw: Hardware, *, s
                          + hw.hbm_seconds(int(back_rows_N[on(r)].sum()) * 5 * I * b)),  # SwiGLU bwd: GU, dh -> dGU
         "dx": _a2a(hw, cluster, back_GG.T),
         "weight_grads": _a2a(hw, cluster, replica_bytes_GG(plan, dims, b).T) if has_replica else 0.0,
+        "rows": per_rank(lambda r: hw.hbm_seconds((5 * int(back_sent_G[r]) + 4 * int(back_rows_N[on(r)].sum()))
+                                                  * H * b)),
     }
     f, k = sum(fwd.values()), sum(bwd.values())
     return {"forward": fwd, "backward": bwd, "forward_s": f, "backward_s": k, "total_s": f + k,

@@ -18,6 +18,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from pathlib import Path
+
+from ..files import read_json
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,8 @@ class Hardware:
     net_bytes_per_s: float  # per GPU per direction between domains (inter-node network)
     a2a_latency_s: float  # fixed cost of one all-to-all collective, seconds
     memory_bytes: float  # GPU memory, bytes
+    forward_overhead_s: float = 0.0  # fixed host cost of one layer call's forward (Python, small kernels)
+    backward_overhead_s: float = 0.0  # and of its backward (0 in the GPU presets: not modelled there)
     fuse_gather: bool = True  # compaction gathers fused into the GEMM loads (the Triton path on GPUs)
     source: str = ""  # where the constants come from (a preset's docs section or a calibration file)
 
@@ -92,12 +97,27 @@ def hardware_names() -> list[str]:
     return sorted(_PRESETS)
 
 
+#: Where ``lrmoe bench simulator`` writes the ``cpu-local`` calibration (relative to the working folder).
+CPU_LOCAL = Path("results/sim/cpu-local.json")
+
+
 def get_hardware(name: str | Hardware) -> Hardware:
+    """A preset by name, ``cpu-local`` (the calibration file :data:`CPU_LOCAL`), or a calibration
+    file's path (``*.json`` with a ``hardware`` entry)."""
     if isinstance(name, Hardware):
         return name
-    if name not in _PRESETS:
-        raise ValueError(f"unknown hardware {name!r}; known: {hardware_names()}")
-    return _PRESETS[name]
+    if name in _PRESETS:
+        return _PRESETS[name]
+    if name == "cpu-local" or str(name).endswith(".json"):
+        path = CPU_LOCAL if name == "cpu-local" else Path(name)
+        d = read_json(path)
+        if d is None:
+            raise ValueError(f"hardware {name!r}: {path} does not exist; `lrmoe bench simulator` calibrates this "
+                             f"machine and writes it")
+        if not isinstance(d, dict) or not isinstance(d.get("hardware"), dict):
+            raise ValueError(f"hardware {name!r}: {path} has no 'hardware' object")
+        return hardware_from_dict(d["hardware"])
+    raise ValueError(f"unknown hardware {name!r}; known: {hardware_names() + ['cpu-local']} or a calibration *.json")
 
 
 def hardware_from_dict(d: dict) -> Hardware:
