@@ -31,6 +31,10 @@ Every backend runs the same argument checks (:mod:`lrmoe.kernels.checks`): negat
 offsets, an ``offs[-1]`` past the logical rows it splits, an index value out of range and a
 repeated ``out_index`` are a ValueError for CPU tensors, and on accelerators under
 ``torch.autograd.set_detect_anomaly(True)`` (elsewhere the check would cost a host sync).
+
+Under ``torch.compile`` the value checks are skipped, alignment is decided by strides only, and a
+call that would run ``loop``, or ``torch`` with other operands than bf16 (the only dtype of the
+compiled F.grouped_mm), runs the opaque custom operator ``lrmoe::grouped_mm_loop`` instead.
 """
 from __future__ import annotations
 

@@ -277,8 +277,11 @@ def test_gradient_checkpointing(preset, monkeypatch):
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_generate_matches_stock(cache):
-    ref, ours = _twin_models()
+    """With a policy that drops half the pairs from the backward: the policy changes no forward."""
+    ref, ours = _twin_models(policy=BackwardPolicy(0.5))
     ids = torch.randint(0, 61, (2, 5), generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(ours(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss,
+                               rtol=1e-6, atol=1e-6)  # (with gradients enabled, as in training)
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     if cache == "static":
         kw["cache_implementation"] = "static"
