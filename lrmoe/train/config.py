@@ -17,7 +17,7 @@ DTYPES = ("auto", "fp32", "bf16")
 # Fields that may differ between two configs of the same run. (``threads`` may differ between two
 # finished runs; a resume with another effective CPU thread count is refused by the checkpoint's
 # own check, lrmoe.train.checkpoint.check_resume, because its losses would differ.)
-RUNTIME_FIELDS = ("threads", "log_interval", "checkpoint_interval", "eval_interval", "load_concurrency")
+RUNTIME_FIELDS = ("threads", "log_interval", "checkpoint_interval", "eval_interval", "load_concurrency", "record_trace")
 
 @dataclass
 class TrainConfig:
@@ -70,6 +70,7 @@ class TrainConfig:
     ep_budget_mib: float | None = None
     ep_options: dict = field(default_factory=dict)
     load_concurrency: int = 1
+    record_trace: str | None = None
 
     FIELD_HELP = {
         "model": "model preset (lrmoe.hf.MODEL_PRESETS)",
@@ -114,6 +115,9 @@ class TrainConfig:
         "ep_budget_mib": "per-rank memory budget of each MoE layer for the placement planner, in MiB (default: unlimited)",
         "ep_options": "placement planner option KEY=VALUE (JSON values; repeatable), e.g. min_tokens=64, "
                       "capacity_factor=1.0, slots_per_rank=4, fallback=split",
+        "record_trace": "with ep > 1: write the routing trace to PATH (lrmoe.sim.trace format, docs/simulator.md): "
+                        "per micro-batch and MoE layer, the [ranks, experts] pair counts the runtime all-gathers; "
+                        "written at every checkpoint and at the end, extended on resume (default: none)",
         "load_concurrency": "with ep > 1: how many ranks of a node build or load the full model at the same "
                             "time before sharding its experts (each holds a full fp32 copy meanwhile, about "
                             "4 bytes x parameters; 0: all at once)",
@@ -234,9 +238,12 @@ class TrainConfig:
                 or self.load_concurrency < 0:
             raise ValueError(f"load_concurrency must be an int >= 0 (0: all ranks at once), "
                              f"got {self.load_concurrency!r}")
+        if self.record_trace is not None and (not isinstance(self.record_trace, str) or not self.record_trace):
+            raise ValueError(f"record_trace must be a file path or None, got {self.record_trace!r}")
         if self.ep == 1:
             ignored = [f for f, v, d in (("placement", self.placement, "lrmoe"), ("ep_budget_mib", self.ep_budget_mib, None),
-                                         ("ep_options", self.ep_options, {})) if v != d]
+                                         ("ep_options", self.ep_options, {}), ("record_trace", self.record_trace, None))
+                       if v != d]
             if ignored:
                 raise ValueError(f"{', '.join(ignored)} {'applies' if len(ignored) == 1 else 'apply'} only to expert "
                                  "parallelism (ep > 1) and would be ignored with ep 1: set --ep N or leave "

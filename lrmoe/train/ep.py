@@ -222,6 +222,15 @@ class DistributedRunner:
             extra = {"comm_bytes": comm_sum, "comm_bytes_total": sum(comm_sum.values()), "moe_plan_s": float(plan_s)}
         return loss_total, kept, out_stats, nonfinite, extra
 
+    def routing_counts(self) -> np.ndarray:
+        """[MoE layers, G, E]: the pair counts every layer all-gathered in its latest call (a split
+        micro-batch: its pieces' counts summed), the same on every rank."""
+        out = []
+        for ep in self.eps:
+            plans = ep.last_plan if isinstance(ep.last_plan, list) else [ep.last_plan]
+            out.append(sum(np.asarray(p.demand_GE, dtype=np.int64) for p in plans))
+        return np.stack(out)
+
     def clip_(self, model, params, clip: float) -> float:
         """Gradient sync (dense: data parallel; experts: EP) then global-norm clipping; the norm."""
         ep_hf.finish_grad_sync(model, self.env.dp_group, self.env.expert_dp_group)

@@ -256,6 +256,12 @@ class Trainer:
         self.timings = {"train_s": 0.0, "eval_s": 0.0, "moe_fwd_s": 0.0, "moe_bwd_s": 0.0, "checkpoint_s": 0.0}
         self.resumed_from = []
         self._resume_or_start()
+        self.trace = None
+        if cfg.record_trace:
+            from .trace_record import TraceRecorder
+
+            self.trace = TraceRecorder(cfg.record_trace, cfg, main=self.main, steps_done=self.step_done,
+                                       tokens_per_rank=cfg.micro_batch // cfg.ep * cfg.seq_len)
         self.base = self._describe()
 
     # ------------------------------------------------------------------ set-up
@@ -345,6 +351,8 @@ class Trainer:
                   "data_position": self.stream.position, "timings": self.timings,
                   "resumed_from": self.resumed_from, "threads": torch.get_num_threads(),
                   "data_fingerprint": self.data_stats.get("source_fingerprint")}
+        if self.trace is not None:  # before the checkpoint: a resume drops micro-batches past it
+            self.trace.save()
         self.runner.save_checkpoint(self.ckpt_path, common, self.model, self.opt,
                                     checkpoint.rng_state(self.policy, self.device))
         self.timings["checkpoint_s"] += time.perf_counter() - t0
@@ -373,6 +381,8 @@ class Trainer:
             runner.backward(loss)
             loss_total += float(loss.detach())
             routing.add(hf.backward_records(model))
+            if self.trace is not None:
+                self.trace.add(runner.routing_counts(), self.model.config.num_experts_per_tok)
             del logits, loss, loss_sum
         timer.enabled = False
         # EP: sums over the ranks (the per-rank records hold this rank's pairs only)

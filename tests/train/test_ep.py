@@ -81,7 +81,8 @@ def runs(tmp_path_factory):
         walls["single"] = time.perf_counter() - t0
     walls["fixed"] = torchrun(base / "fixed", dict(RUN, **data, ep=2, placement="fixed"), env=env)
     lrm = dict(C20, **data, ep=2, placement="lrmoe")
-    walls["lrmoe"] = torchrun(base / "lrmoe", lrm, env=env)
+    walls["lrmoe"] = torchrun(base / "lrmoe", dict(lrm, record_trace=str(base / "lrmoe.trace.npz")), env=env)
+    lrm = dict(lrm, record_trace=str(base / "resumed.trace.npz"))
     walls["stop"] = torchrun(base / "resumed", lrm, "--stop-after", "3", env=env)
     # the set of step 3 in the layout of older versions of the kit (rank files not named by step,
     # the matching one kept as checkpoint.rank{r}.prev.pt by a kill inside that layout's commit window)
@@ -299,3 +300,33 @@ def test_random_scorer_streams_differ_per_rank():
     assert all(not torch.equal(draws[0], d) for d in draws[1:])
     unseeded = BackwardPolicy(0.2, scorer="random")
     assert runner.policy_for_rank(unseeded) is unseeded
+
+
+def test_ep_records_the_routing_trace_the_simulator_replans(runs):
+    """--record-trace writes what the runtime all-gathered (per micro-batch and MoE layer); the
+    planner the simulator calls (plan_layer) gives, on those counts, the quotas the run logged."""
+    import math
+
+    import numpy as np
+
+    from lrmoe.hf import model_config
+    from lrmoe.planning import Cluster, ModelDims
+    from lrmoe.planning.step import plan_layer
+    from lrmoe.sim.trace import load_trace
+
+    tr = load_trace(runs / "lrmoe.trace.npz")
+    assert tr.counts.shape == (6 * 2, 2, 2, 8)  # micro-batches, MoE layers, ranks, experts
+    assert tr.meta["source"] == "runtime" and tr.meta["top_k"] == 2 and tr.meta["placement"] == "lrmoe"
+    assert (tr.counts.sum((2, 3)) == 4 * 64 * 2).all()  # every micro-batch: 4 rows x 64 tokens x top-2
+    cfg = model_config("qwen3-moe-tiny")
+    dims = ModelDims(cfg.hidden_size, cfg.moe_intermediate_size, 8, 2, 4, 4, 12)
+    rows = metrics(runs / "lrmoe")
+    for step, row in enumerate(rows):
+        for li, st in row["layers"].items():
+            mbs = tr.counts[2 * step:2 * step + 2, int(li)]
+            assert np.array_equal(mbs.sum((0, 1)), st["demand"])
+            quota = sum(plan_layer("lrmoe", d, Cluster(2, 6), dims, math.inf, selects=True, drop_ratio=0.2)
+                        .kept_E for d in mbs)
+            assert quota.tolist() == st["quota"], (step, li)
+    # the resumed run extended its trace from its checkpoint: the same routing as the uninterrupted run
+    assert np.array_equal(load_trace(runs / "resumed.trace.npz").counts, tr.counts)
