@@ -4,7 +4,7 @@ mode, with fullgraph=True and False, fp32 and bf16, a non-SiLU activation, a bat
 shape (dynamic shapes), the random scorer and a changed drop ratio (graph-break path), and the
 records (none from a compiled backward). Models are one layer deep to keep compilation short;
 most tests use the aot_eager backend (dynamo + AOTAutograd: every tracing rule; no code
-generation), one uses inductor, torch.compile's default."""
+generation); inductor, torch.compile's default, compiles one MoE block."""
 import pytest
 import torch
 
@@ -66,7 +66,7 @@ def test_fullgraph_matches_eager_in_every_mode(mode, act):
 def test_fullgraph_compact_with_batches_of_other_shapes():
     eager, model = twins("qwen3-moe-tiny", lambda: BackwardPolicy(0.4))
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    for i, shape in enumerate([(2, 8), (3, 5), (1, 2)]):  # the second compiles with dynamic shapes
+    for i, shape in enumerate([(2, 8), (3, 5)]):  # the second compiles with dynamic shapes
         assert_same_step(eager, compiled, model, batch(shape, i), what=f"batch {shape}")
 
 
@@ -109,7 +109,22 @@ def test_compiled_backward_leaves_no_stale_record():
 
 
 @pytest.mark.slow
-def test_inductor_fullgraph_full_mode():
-    eager, model = twins("qwen3-moe-tiny", lambda: BackwardPolicy(0.0, mode="full"))
-    compiled = torch.compile(model, fullgraph=True)  # the default backend (inductor)
-    assert_same_step(eager, compiled, model, batch((2, 8)), rtol=1e-4, atol=1e-5, what="inductor")
+def test_inductor_fullgraph_moe_block_compact():
+    """torch.compile's default backend (inductor: code generation, ~20 s cold on 2 cores) on one
+    transformers MoE block (router + lrmoe experts), compact mode at drop 0.3: output, input and
+    every parameter gradient equal to the same block run eagerly."""
+    model = hf.build_model("qwen3-moe-tiny", vocab_size=V, seed=4, num_hidden_layers=1, policy=BackwardPolicy(0.3))
+    block = model.model.layers[0].mlp
+    x = torch.randn(2, 8, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    out = []
+    for fn in (block, torch.compile(block, fullgraph=True)):
+        block.zero_grad()
+        xx = x.clone().requires_grad_()
+        y = fn(xx)
+        y.backward(dy)
+        out.append([y.detach(), xx.grad] + [p.grad.clone() for p in block.parameters()])
+    assert len(out[0]) == 2 + len(list(block.parameters()))
+    for i, (a, b) in enumerate(zip(*out)):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=lambda m: f"tensor {i}: {m}")
+    assert all(g.abs().sum() > 0 for g in out[0][1:])  # every gradient was computed, none is zero
