@@ -141,6 +141,19 @@ def test_drift_moves_the_distribution():
     assert tv[0] < 0.005 and 1.5 * tv[0] < tv[1] < tv[2] / 4  # then the AR(1) innovation on top
 
 
+def test_drift_is_the_stationary_ar1():
+    # balanced base: an expert's centred log share is its drift z (sampling noise ~0.01 at this size)
+    phi, innovation = 0.9, 0.2
+    for seed in range(2):
+        t = synthetic_trace("balanced", phi=phi, innovation=innovation, seed=seed, **dict(BIG, steps=40))
+        z = np.log(expert_share(t)[:, 0])
+        z -= z.mean(-1, keepdims=True)
+        np.testing.assert_allclose(z.std(), innovation / math.sqrt(1 - phi ** 2), rtol=0.2)  # from step 0 on
+        np.testing.assert_allclose(z[:5].std(), innovation / math.sqrt(1 - phi ** 2), rtol=0.25)
+        lag1 = (z[1:] * z[:-1]).sum() / (z[:-1] ** 2).sum()
+        assert abs(lag1 - phi) < 0.08
+
+
 def test_user_workload():
     def two_hot(rng, *, steps, num_ranks, num_experts, top_k, boost=3.0):
         logp = np.zeros((steps, num_experts))
