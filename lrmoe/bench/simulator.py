@@ -11,7 +11,8 @@ plans, bytes and times with what the runtime did.
    copy -> memory bandwidth; gloo ``all_to_all_single`` over message sizes -> latency and bandwidth;
    the runtime's layer at 1 token per rank -> the fixed per-call forward and backward cost.
 2. Runs: each method (fixed, symi, ultraep, lrmoe) at C0 and C20 on each routing (balanced,
-   log-normal sigma 1, one hot expert), ``--steps`` timed steps after one warm-up; per step the
+   log-normal sigma 1, one hot expert), ``--steps`` timed steps after one warm-up, the methods
+   taking turns within each step (same inputs, one after another); per step the
    demand the runtime gathered, its plan, its all-to-all bytes, forward and backward wall time
    (barrier to barrier).
 3. The simulator replays the recorded demands with ``cpu-local`` and reports, per (method,
@@ -46,8 +47,10 @@ def parse(argv=None):
     ap.add_argument("--intermediate", type=int, default=256)
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--top-k", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=4, help="timed steps per (method, routing) (4)")
-    ap.add_argument("--quick", action="store_true", help="two routings, C0 and C20 of fixed and lrmoe only")
+    ap.add_argument("--steps", type=int, default=12, help="timed steps per (method, routing) (12)")
+    ap.add_argument("--quick", action="store_true", help="two routings; fixed and lrmoe at C0 and C20, symi (a stateful planner) at C0")
+    ap.add_argument("--calibrate-only", action="store_true",
+                    help="write the cpu-local calibration and stop (what `lrmoe simulate calibrate` runs)")
     ap.add_argument("--out", type=Path, default=Path("results/bench/sim_validation_cpu.json"))
     ap.add_argument("--calibration", type=Path, default=Path("results/sim/cpu-local.json"),
                     help="where the cpu-local preset is written (results/sim/cpu-local.json)")
@@ -120,11 +123,28 @@ def _time(fn, reps: int = 5) -> float:
     return statistics.median(ts)
 
 
-def calibrate_local(H: int, I: int) -> dict:
-    """GEMM rate and per-call cost, memory bandwidth (this process, one thread)."""
+def _mean_over_ranks(t: float) -> float:
+    """The mean over ranks of one sample each rank timed at the same moment."""
     import torch
+    import torch.distributed as dist
+
+    v = torch.tensor([t], dtype=torch.float64)
+    dist.all_reduce(v)
+    return float(v) / dist.get_world_size()
+
+
+def calibrate_local(H: int, I: int) -> dict:
+    """GEMM rate and per-call cost, memory bandwidth: every rank times the same samples at the same
+    moment (one thread each), as they run in the layer, so shared caches and memory bandwidth are
+    contended as in the runs; each sample is the mean over ranks."""
+    import torch
+    import torch.distributed as dist
 
     from ..kernels.grouped_gemm import grouped_mm
+
+    def timed(fn) -> float:
+        dist.barrier()
+        return _mean_over_ranks(_time(fn))
 
     rows, feats = [], []
     for m in (16, 64, 256, 512):
@@ -133,13 +153,19 @@ def calibrate_local(H: int, I: int) -> dict:
                 a = torch.randn(m * g, k_in)
                 b = torch.randn(g, k_in, n_out)
                 offs = torch.arange(1, g + 1, dtype=torch.int32) * m
-                rows.append(_time(lambda a=a, b=b, offs=offs: grouped_mm(a, b, offs)))
+                rows.append(timed(lambda a=a, b=b, offs=offs: grouped_mm(a, b, offs)))
                 feats.append([2.0 * m * g * k_in * n_out, 1.0])
     inv_rate, call_s = _fit(np.array(feats), np.array(rows))
     x = torch.randn(16 * 2**20 // 4)
-    copy_s = _time(lambda: x.clone())
+    copy_s = timed(lambda: x.clone())
+    # indexed row copies as the layer does them: a gather of [P, H] rows by a random index and the
+    # index add of P rows into [T, H] (each reads and writes P rows)
+    T, P = 2048, 2048 * 4
+    src, idx = torch.randn(T, H), torch.randint(0, T, (P,))
+    rows_out, acc = torch.randn(P, H), torch.zeros(T, H)
+    row_s = timed(lambda: (src.index_select(0, idx), acc.index_add_(0, idx, rows_out)))
     return {"gemm_tflops": 1.0 / inv_rate / 1e12 if inv_rate > 0 else 1e-3, "gemm_call_s": float(call_s),
-            "hbm_bytes_per_s": 2 * x.numel() * 4 / copy_s,
+            "hbm_bytes_per_s": 2 * x.numel() * 4 / copy_s, "row_bytes_per_s": 2 * 2 * P * H * 4 / row_s,
             "gemm_samples": {"seconds": rows, "flops_and_calls": feats}}
 
 
@@ -196,8 +222,7 @@ def worker(args):
     dn = torch.randn(E, H, I, generator=gen) / I**0.5
     slots = E // G + 2
     calib = calibrate_a2a(G)
-    if r == 0:
-        calib.update(calibrate_local(H, I))
+    calib.update(calibrate_local(H, I))
     # fixed per-call cost: the layer at one token per rank (fixed ownership, C0)
     ep = ExpertParallel(E, env.ep_group, "fixed", slots_per_rank=slots)
     mod = ExpertParallelExperts.from_full(gu, dn, ep, BackwardPolicy())
@@ -206,29 +231,41 @@ def worker(args):
     calib["forward_overhead_s"] = statistics.median(a for a, _ in f_b[1:])
     calib["backward_overhead_s"] = statistics.median(b for _, b in f_b[1:])
 
+    if args.calibrate_only:
+        if r == 0:
+            write_calibration(args, calib)
+            print(f"wrote {args.calibration}")
+        dist.barrier()
+        shutdown()
+        return
     routings = ROUTINGS[:2] if args.quick else ROUTINGS
-    methods = [m for m in METHODS if m[0] in ("fixed", "lrmoe")] if args.quick else list(METHODS)
+    methods = [m for m in METHODS if m[0] in ("fixed", "lrmoe") or m == ("symi", 0.0)] if args.quick else list(METHODS)
     runs = []
     for ri, routing in enumerate(routings):
         counts = routing_counts(routing, E, K, T, G, args.steps + 1, seed=100 + ri)
+        recs, mods = [], []
         for placement, drop in methods:
             opts = {"min_tokens": 64} if placement == "ultraep" else {}
             ep = ExpertParallel(E, env.ep_group, placement, slots_per_rank=slots, **opts)
-            mod = ExpertParallelExperts.from_full(gu, dn, ep, BackwardPolicy(drop_ratio=drop))
-            rec = {"routing": routing, "placement": placement, "drop_ratio": drop, "options": opts, "fwd_s": [],
-                   "bwd_s": [], "plans": [], "comm": []}
-            for s in range(args.steps + 1):
-                g = torch.Generator().manual_seed(1000 * s + r)
-                idx = indices_from_counts(counts[s, r], K, seed=1000 * s + r)
-                x, w = torch.randn(T, H, generator=g), torch.softmax(torch.randn(T, K, generator=g), -1)
-                f, b = run_layer(mod, x, idx, w, torch.randn(T, H, generator=g))
+            mods.append((ep, ExpertParallelExperts.from_full(gu, dn, ep, BackwardPolicy(drop_ratio=drop))))
+            recs.append({"routing": routing, "placement": placement, "drop_ratio": drop, "options": opts,
+                         "fwd_s": [], "bwd_s": [], "plans": [], "comm": []})
+        # round-robin: each step runs every method once, so a load change on the machine falls on
+        # all methods alike instead of on whichever ran then
+        for s in range(args.steps + 1):
+            g = torch.Generator().manual_seed(1000 * s + r)
+            idx = indices_from_counts(counts[s, r], K, seed=1000 * s + r)
+            x, w = torch.randn(T, H, generator=g), torch.softmax(torch.randn(T, K, generator=g), -1)
+            dy = torch.randn(T, H, generator=g)
+            for (ep, mod), rec in zip(mods, recs):
+                f, b = run_layer(mod, x, idx, w, dy)
+                rec["plans"].append(ep.last_plan)  # the warm-up's too: stateful planners (SYMI) start from it
                 if s == 0:
-                    continue  # warm-up
+                    continue  # warm-up: not timed
                 rec["fwd_s"].append(f)
                 rec["bwd_s"].append(b)
-                rec["plans"].append(ep.last_plan)
                 rec["comm"].append(dict(mod.last_backward.comm_bytes))
-            runs.append(rec)
+        runs.extend(recs)
     gathered = [None] * G
     dist.all_gather_object(gathered, {"calib": calib, "runs": [{k: v for k, v in x.items() if k != "plans"}
                                                                 for x in runs]})
@@ -244,77 +281,109 @@ def _row_bytes(plan, H: int, b: int) -> int:
     return int((plan.send_GN * off).sum()) * H * b
 
 
-def report(args, gathered, runs, env) -> None:
+def write_calibration(args, c0: dict):
+    """The ``cpu-local`` Hardware from one rank's calibration, written to ``args.calibration``."""
     from ..environment import environment
     from ..files import write_json
-    from ..planning import Cluster, ModelDims
     from ..sim.hardware import Hardware
-    from ..sim.simulate import Method, run_method
 
-    G, E, H, I, K = args.world, args.experts, args.hidden, args.intermediate, args.top_k
-    c0 = gathered[0]["calib"]
-    hw_fields = {k: c0[k] for k in ("gemm_tflops", "gemm_call_s", "hbm_bytes_per_s", "a2a_latency_s",
+    hw_fields = {k: c0[k] for k in ("gemm_tflops", "gemm_call_s", "hbm_bytes_per_s", "row_bytes_per_s", "a2a_latency_s",
                                     "fast_bytes_per_s", "forward_overhead_s", "backward_overhead_s")}
     hw = Hardware(name="cpu-local", tile_rows=1, net_bytes_per_s=hw_fields["fast_bytes_per_s"], memory_bytes=0.0,
                   fuse_gather=False, source=f"lrmoe bench simulator on {environment()['cpu_model']}", **hw_fields)
     write_json(args.calibration, {"hardware": {k: getattr(hw, k) for k in hw.__dataclass_fields__},
                                   "samples": {k: v for k, v in c0.items() if k.endswith("_samples")},
-                                  "environment": environment()})
+                                  "shapes": {"world": args.world, "hidden": args.hidden,
+                                             "intermediate": args.intermediate},
+                                  "load_average": list(os.getloadavg()), "environment": environment()})
+    return hw
+
+
+def report(args, gathered, runs, env) -> None:
+    from ..environment import environment
+    from ..files import write_json
+    from ..planning import Cluster, ModelDims
+    from ..sim.simulate import Method, run_method
+
+    G, E, H, I, K = args.world, args.experts, args.hidden, args.intermediate, args.top_k
+    hw = write_calibration(args, gathered[0]["calib"])
     dims = ModelDims(hidden=H, intermediate=I, num_experts=E, top_k=K, dtype_bytes=4)
     cluster = Cluster(G, E // G + 2)
     rows, same_total, plans_total = [], 0, 0
     for i, rec in enumerate(runs):
-        demand = np.stack([p.demand_GE for p in rec["plans"]])[:, None]
+        plans = rec["plans"]  # plans[0] is the untimed warm-up step's
+        timed = len(plans) - 1
+        demand = np.stack([p.demand_GE for p in plans])[:, None]
         m = Method(f"{rec['placement']}", rec["placement"], rec["options"], drop_ratio=rec["drop_ratio"])
         sim = run_method(m, demand, cluster, dims, hw, math.inf)
         # the simulator's own plans on the same demands (plan_layer, as run_method makes them)
         from ..planning.step import plan_layer
-        state, same, bytes_ok = None, 0, 0
-        for p in rec["plans"]:
+        state, same = None, 0
+        for p in plans:
             q = plan_layer(m.placement, p.demand_GE, cluster, dims, math.inf, options=m.options, selects=m.selects,
                            drop_ratio=m.drop_ratio, state=state)
             state = q.state
             same += bool(np.array_equal(p.send_GN, q.send_GN) and np.array_equal(p.backward_quota_GN, q.backward_quota_GN)
                          and p.instances == q.instances)
         comm = [g["runs"][i]["comm"] for g in gathered]
-        meas_bytes = [sum(c[s].get("fwd_dispatch", 0) for c in comm) for s in range(len(rec["plans"]))]
-        bytes_ok = sum(mb == _row_bytes(p, H, 4) for mb, p in zip(meas_bytes, rec["plans"]))
-        fwd = statistics.median(max(g["runs"][i]["fwd_s"][s] for g in gathered) for s in range(len(rec["plans"])))
-        bwd = statistics.median(max(g["runs"][i]["bwd_s"][s] for g in gathered) for s in range(len(rec["plans"])))
+        meas_bytes = [sum(c[s].get("fwd_dispatch", 0) for c in comm) for s in range(timed)]
+        bytes_ok = sum(mb == _row_bytes(p, H, 4) for mb, p in zip(meas_bytes, plans[1:]))
+        # per step the slowest rank (the barrier-to-barrier time is the straggler's)
+        fwd_s = [max(g["runs"][i]["fwd_s"][s] for g in gathered) for s in range(timed)]
+        bwd_s = [max(g["runs"][i]["bwd_s"][s] for g in gathered) for s in range(timed)]
+        tot_s = [a + b for a, b in zip(fwd_s, bwd_s)]
+        fwd, bwd = statistics.median(fwd_s), statistics.median(bwd_s)
+        q1, _, q3 = statistics.quantiles(tot_s, n=4) if timed >= 2 else (tot_s[0],) * 3
         pf, pb = sim["forward_ms_per_layer"] / 1e3, sim["backward_ms_per_layer"] / 1e3
         rows.append({"routing": rec["routing"], "method": f"{rec['placement']} C{round(100 * rec['drop_ratio'])}",
                      "measured_fwd_ms": 1e3 * fwd, "predicted_fwd_ms": 1e3 * pf,
                      "measured_bwd_ms": 1e3 * bwd, "predicted_bwd_ms": 1e3 * pb,
-                     "measured_total_ms": 1e3 * (fwd + bwd), "predicted_total_ms": 1e3 * (pf + pb),
-                     "error_fwd": pf / fwd - 1, "error_bwd": pb / bwd - 1, "error_total": (pf + pb) / (fwd + bwd) - 1,
-                     "same_plans": same, "steps": len(rec["plans"]), "dispatch_bytes_equal": bytes_ok})
+                     "measured_total_ms": 1e3 * statistics.median(tot_s), "predicted_total_ms": 1e3 * (pf + pb),
+                     "measured_total_iqr_ms": [1e3 * q1, 1e3 * q3],
+                     "error_fwd": pf / fwd - 1, "error_bwd": pb / bwd - 1,
+                     "error_total": (pf + pb) / statistics.median(tot_s) - 1,
+                     "same_plans": same, "plans": len(plans), "steps": timed, "dispatch_bytes_equal": bytes_ok})
         same_total += same
-        plans_total += len(rec["plans"])
+        plans_total += len(plans)
     errs = [abs(r["error_total"]) for r in rows]
-    order_ok = []
+    order_ok, resolved_pairs, resolved_agree = [], 0, 0
     for routing in dict.fromkeys(r["routing"] for r in rows):
         sub = [r for r in rows if r["routing"] == routing]
         order_ok.append([r["method"] for r in sorted(sub, key=lambda r: r["measured_total_ms"])]
                         == [r["method"] for r in sorted(sub, key=lambda r: r["predicted_total_ms"])])
+        # pairs the measurement itself orders: interquartile ranges of the per-step totals disjoint
+        for a in range(len(sub)):
+            for b in range(a + 1, len(sub)):
+                x, y = sub[a], sub[b]
+                if x["measured_total_iqr_ms"][1] < y["measured_total_iqr_ms"][0] or \
+                        y["measured_total_iqr_ms"][1] < x["measured_total_iqr_ms"][0]:
+                    resolved_pairs += 1
+                    resolved_agree += (x["measured_total_ms"] < y["measured_total_ms"]) == \
+                        (x["predicted_total_ms"] < y["predicted_total_ms"])
     summary = {"plans_identical": f"{same_total} of {plans_total}",
                "median_abs_error_total": statistics.median(errs), "max_abs_error_total": max(errs),
                "same_order": f"{sum(order_ok)} of {len(order_ok)} routings",
+               "resolved_pairs_same_order": f"{resolved_agree} of {resolved_pairs}",
                "targets": "median |error| <= 15 %, none over 30 %, same order (issue 13)"}
     lines = ["| routing | method | fwd ms (pred) | bwd ms (pred) | total ms (pred) | error | same plans | bytes equal |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['routing']} | {r['method']} | {r['measured_fwd_ms']:.2f} ({r['predicted_fwd_ms']:.2f}) | "
                      f"{r['measured_bwd_ms']:.2f} ({r['predicted_bwd_ms']:.2f}) | {r['measured_total_ms']:.2f} "
-                     f"({r['predicted_total_ms']:.2f}) | {100 * r['error_total']:+.1f} % | {r['same_plans']}/{r['steps']} "
+                     f"({r['predicted_total_ms']:.2f}) | {100 * r['error_total']:+.1f} % | {r['same_plans']}/{r['plans']} "
                      f"| {r['dispatch_bytes_equal']}/{r['steps']} |")
     print("\n".join(lines))
     print(f"plans identical {summary['plans_identical']}; |error| of the total: median "
           f"{100 * summary['median_abs_error_total']:.1f} %, max {100 * summary['max_abs_error_total']:.1f} %; "
-          f"methods in the same order in {summary['same_order']}")
+          f"methods in the same order in {summary['same_order']}; method pairs the measurement orders "
+          f"(interquartile ranges apart) predicted in the same order: {summary['resolved_pairs_same_order']}")
     write_json(args.out, {"benchmark": "simulator_validation", "options": {k: str(v) if isinstance(v, Path) else v
                                                                           for k, v in vars(args).items()},
                           "hardware": {k: getattr(hw, k) for k in hw.__dataclass_fields__}, "rows": rows,
-                          "summary": summary, "table": lines, "environment": environment()})
+                          "summary": summary, "table": lines, "load_average": list(os.getloadavg()),
+                          "environment": environment()})
+    print(f"load average at the end (1, 5, 15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())} "
+          f"on {os.cpu_count()} CPUs")
     print(f"wrote {args.out} and {args.calibration}")
 
 

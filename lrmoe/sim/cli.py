@@ -1,6 +1,7 @@
 """``lrmoe simulate``: replay routing through the real planners and the hardware model.
 
     lrmoe simulate --list
+    lrmoe simulate calibrate                             # measure this machine: results/sim/cpu-local.json
     lrmoe simulate --scenario paper-qwen3 --out results/sim/paper-qwen3
     lrmoe simulate --scenario paper                      # the four paper scenarios, results/sim/<name>/
     lrmoe simulate --scenario pressure-glm --trace my_trace.npz --hardware h200-sxm
@@ -23,6 +24,9 @@ PAPER_SET = ("paper-qwen3", "paper-glm", "pressure-qwen3", "pressure-glm")
 def register_cli(sub) -> None:
     ap = sub.add_parser("simulate", help="simulate the paper's system results (T4, T5, F3, F5) on a hardware model",
                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("action", nargs="?", choices=["calibrate"], default=None,
+                    help="calibrate: measure this machine (2 gloo processes) into the cpu-local preset "
+                         "(OUT/cpu-local.json, OUT default results/sim) and exit")
     ap.add_argument("--list", action="store_true", help="name the scenarios and hardware presets, then exit")
     ap.add_argument("--scenario", default=None, metavar="NAME",
                     help="a scenario of --list, 'paper' (the four paper scenarios) or 'all'")
@@ -49,6 +53,12 @@ def run(args) -> int:
     from .hardware import get_hardware, hardware_names
     from .scenarios import get_scenario, run_scenario, scenario_names
 
+    if args.action == "calibrate":
+        if args.out.exists() and not args.out.is_dir():
+            return _fail(f"--out {args.out} is a file; give a folder")
+        from ..bench.simulator import main as bench_main
+        bench_main(["--calibrate-only", "--calibration", str(args.out / "cpu-local.json")])
+        return 0
     if args.list:
         from .scenarios import SCENARIOS
         for name, sc in SCENARIOS.items():

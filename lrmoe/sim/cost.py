@@ -100,7 +100,7 @@ def layer_cost(plan: Plan, cluster: Cluster, dims: ModelDims, hw: Hardware, *, s
         "gemm": per_rank(lambda r: hw.gemm_seconds(rows_N[on(r)], 6.0 * H * I, calls=2)
                          + hw.hbm_seconds(int(rows_N[on(r)].sum()) * 3 * I * b)),  # SwiGLU: read 2I, write I
         "combine": _a2a(hw, cluster, row_GG.T * ((H * b + (4 if selects else 0)) / (H * b))),
-        "rows": per_rank(lambda r: hw.hbm_seconds((5 * int(pairs_G[r]) + 4 * int(rows_N[on(r)].sum())) * H * b)),
+        "rows": per_rank(lambda r: hw.row_seconds((5 * int(pairs_G[r]) + 4 * int(rows_N[on(r)].sum())) * H * b)),
     }
     bwd = {
         "overhead": hw.backward_overhead_s,
@@ -108,12 +108,12 @@ def layer_cost(plan: Plan, cluster: Cluster, dims: ModelDims, hw: Hardware, *, s
         "score_select": per_rank(lambda r: hw.hbm_seconds(int(pairs_G[r]) * 16)) if selects else 0.0,
         "grad_rows": _a2a(hw, cluster, back_GG),
         "gather": 0.0 if (hw.fuse_gather or not compacts)
-        else per_rank(lambda r: hw.hbm_seconds(2 * int(kept_N[on(r)].sum()) * (H + 2 * I) * b)),
+        else per_rank(lambda r: hw.row_seconds(2 * int(kept_N[on(r)].sum()) * (H + 2 * I) * b)),
         "gemm": per_rank(lambda r: hw.gemm_seconds(back_rows_N[on(r)], 12.0 * H * I, calls=4)
                          + hw.hbm_seconds(int(back_rows_N[on(r)].sum()) * 5 * I * b)),  # SwiGLU bwd: GU, dh -> dGU
         "dx": _a2a(hw, cluster, back_GG.T),
         "weight_grads": _a2a(hw, cluster, replica_bytes_GG(plan, dims, b).T) if has_replica else 0.0,
-        "rows": per_rank(lambda r: hw.hbm_seconds((5 * int(back_sent_G[r]) + 4 * int(back_rows_N[on(r)].sum()))
+        "rows": per_rank(lambda r: hw.row_seconds((5 * int(back_sent_G[r]) + 4 * int(back_rows_N[on(r)].sum()))
                                                   * H * b)),
     }
     f, k = sum(fwd.values()), sum(bwd.values())

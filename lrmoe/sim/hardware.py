@@ -9,7 +9,9 @@ Presets: ``h100-sxm``, ``h200-sxm`` (published figures) and the ones users add w
 The grouped-GEMM model: an expert group of m rows computes in ``ceil(m / tile_rows)`` row tiles at
 ``gemm_tflops`` (the rate grouped GEMMs reach when no tile is partly empty), plus
 ``gemm_call_s`` per grouped-GEMM call. Memory-bound work (SwiGLU, the router gradient, scoring,
-row gathers) moves its bytes at ``hbm_bytes_per_s``. An all-to-all takes
+row gathers) moves its bytes at ``hbm_bytes_per_s``; indexed row copies at ``row_bytes_per_s`` where
+a calibration measured it (random-access gathers and index adds run slower than a streaming copy on
+CPUs). An all-to-all takes
 ``a2a_latency_s + max(bytes sent, bytes received) / bandwidth`` per rank, with the fast domain's
 bandwidth for peers inside it and ``net_bytes_per_s`` for the others (both directions at once).
 """
@@ -39,6 +41,7 @@ class Hardware:
     forward_overhead_s: float = 0.0  # fixed host cost of one layer call's forward (Python, small kernels)
     backward_overhead_s: float = 0.0  # and of its backward (0 in the GPU presets: not modelled there)
     fuse_gather: bool = True  # compaction gathers fused into the GEMM loads (the Triton path on GPUs)
+    row_bytes_per_s: float = 0.0  # row gathers/scatters (index_select, index_add) bytes/s; 0: hbm_bytes_per_s
     source: str = ""  # where the constants come from (a preset's docs section or a calibration file)
 
     def __post_init__(self):
@@ -59,6 +62,10 @@ class Hardware:
 
     def hbm_seconds(self, nbytes: float) -> float:
         return nbytes / self.hbm_bytes_per_s
+
+    def row_seconds(self, nbytes: float) -> float:
+        """Indexed row copies (gathers, scatters, index adds): their own rate where calibrated."""
+        return nbytes / (self.row_bytes_per_s or self.hbm_bytes_per_s)
 
     def a2a_seconds(self, fast_bytes: float, net_bytes: float) -> float:
         """One rank's all-to-all: the larger of its sent and received bytes per link class."""

@@ -91,3 +91,19 @@ def test_presets_and_bad_hardware():
                  net_bytes_per_s=1, a2a_latency_s=0, memory_bytes=1)
     # tile quantisation: 129 rows cost two 128-row tiles
     assert h.gemm_seconds([129], 1e12, calls=0) == pytest.approx(2 * 128 / 242.0)
+
+
+def test_row_copies_run_at_their_own_rate_where_calibrated():
+    import dataclasses
+    d = np.array([[3, 1], [2, 4]])
+    cl = Cluster(2, 1)
+    plan = plan_layer("fixed", d, cl, DIMS, math.inf)
+    base = layer_cost(plan, cl, DIMS, UNIT, selects=False)
+    slow = layer_cost(plan, cl, DIMS, dataclasses.replace(UNIT, row_bytes_per_s=0.25), selects=False)
+    H, b = 4, 2
+    # rows: token side 5 H b per pair of the rank's own tokens, expert side 4 H b per row it computes
+    assert base["forward"]["rows"] == max(5 * p + 4 * n for p, n in ((4, 5), (6, 5))) * H * b
+    for part in ("forward", "backward"):
+        assert slow[part]["rows"] == 4 * base[part]["rows"]  # 0.25 bytes/s instead of hbm's 1
+        assert {k: v for k, v in slow[part].items() if k != "rows"} == \
+            {k: v for k, v in base[part].items() if k != "rows"}

@@ -110,6 +110,8 @@ def test_cli(tmp_path, capsys):
     f.write_text("x")
     assert main(["simulate", "--scenario", "paper-qwen3", "--out", str(f)]) == 2
     assert "is a file" in capsys.readouterr().err
+    assert main(["simulate", "calibrate", "--out", str(f)]) == 2  # refused before any process starts
+    assert "is a file" in capsys.readouterr().err
     assert main(["simulate", "--scenario", "paper-qwen3", "--trace", str(f)]) == 2
     assert "--trace" in capsys.readouterr().err
     tr = tmp_path / "t.npz"

@@ -25,9 +25,10 @@ def test_runtime_and_simulator_make_the_same_plans(tmp_path):
     simulator.main(["--quick", "--steps", "1", "--tokens", "128", "--hidden", "16", "--intermediate", "16",
                     "--experts", "4", "--out", str(out), "--calibration", str(cal)])
     v = json.loads(out.read_text())
-    assert len(v["rows"]) == 2 * 4  # two routings x fixed/lrmoe at C0/C20
+    assert len(v["rows"]) == 2 * 5  # two routings x fixed/lrmoe at C0/C20 and symi (stateful) at C0
+    assert {r["method"] for r in v["rows"]} == {"fixed C0", "fixed C20", "lrmoe C0", "lrmoe C20", "symi C0"}
     for r in v["rows"]:
-        assert r["same_plans"] == r["steps"] == 1, r
+        assert r["steps"] == 1 and r["same_plans"] == r["plans"] == 2, r  # the warm-up's plan is compared too
         assert r["dispatch_bytes_equal"] == 1, r
     hw = json.loads(cal.read_text())["hardware"]
     assert hw["name"] == "cpu-local" and hw["gemm_tflops"] > 0 and hw["fast_bytes_per_s"] > 0
