@@ -54,6 +54,9 @@ if [ "$gpu" = no-gpu ]; then  # only the plumbing can be checked without a GPU
     step bench_grouped_gemm 210 $PY scripts/bench_grouped_gemm.py --smoke --out "$RES"
 else
     step bench_grouped_gemm 150 $PY scripts/bench_grouped_gemm.py --reps 7 --out "$RES"
+    # the simulator's measured preset (docs/simulator.md): the grouped-GEMM rows fitted onto the published preset
+    base=h200-sxm; case "$gpu" in *H100*) base=h100-sxm ;; esac
+    step sim_preset 20 $PY -m lrmoe.sim.measured "$RES/bench_grouped_gemm_cuda.json" "$RES/$base-measured.json" $base
     step bench_layer 75 $PY scripts/bench_layer.py --device cuda --repeats 5 --warmup 1 --out "$RES"
     step bench_gemm_scaling 45 $PY scripts/bench_gemm_scaling.py --device cuda --backend torch --backend triton \
         --repeats 7 --out "$RES"

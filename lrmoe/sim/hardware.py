@@ -109,22 +109,25 @@ CPU_LOCAL = Path("results/sim/cpu-local.json")
 
 
 def get_hardware(name: str | Hardware) -> Hardware:
-    """A preset by name, ``cpu-local`` (the calibration file :data:`CPU_LOCAL`), or a calibration
-    file's path (``*.json`` with a ``hardware`` entry)."""
+    """A preset by name, ``cpu-local`` (the calibration file :data:`CPU_LOCAL`), a measured GPU
+    preset ``<gpu>-measured`` whose file lies beside it (:mod:`lrmoe.sim.measured`), or a
+    calibration file's path (``*.json`` with a ``hardware`` entry)."""
     if isinstance(name, Hardware):
         return name
     if name in _PRESETS:
         return _PRESETS[name]
-    if name == "cpu-local" or str(name).endswith(".json"):
-        path = CPU_LOCAL if name == "cpu-local" else Path(name)
+    measured = CPU_LOCAL.parent / f"{name}.json"  # a calibrated preset: cpu-local, <gpu>-measured
+    if name == "cpu-local" or str(name).endswith(".json") or (str(name).endswith("-measured") and measured.exists()):
+        path = Path(name) if str(name).endswith(".json") else measured
         d = read_json(path)
         if d is None:
-            raise ValueError(f"hardware {name!r}: {path} does not exist; `lrmoe bench simulator` calibrates this "
+            raise ValueError(f"hardware {name!r}: {path} does not exist; `lrmoe simulate calibrate` calibrates this "
                              f"machine and writes it")
         if not isinstance(d, dict) or not isinstance(d.get("hardware"), dict):
             raise ValueError(f"hardware {name!r}: {path} has no 'hardware' object")
         return hardware_from_dict(d["hardware"])
-    raise ValueError(f"unknown hardware {name!r}; known: {hardware_names() + ['cpu-local']} or a calibration *.json")
+    raise ValueError(f"unknown hardware {name!r}; known: {hardware_names() + ['cpu-local']}, a measured preset "
+                     f"in {CPU_LOCAL.parent}/<name>-measured.json, or a calibration *.json")
 
 
 def hardware_from_dict(d: dict) -> Hardware:

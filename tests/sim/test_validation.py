@@ -34,5 +34,5 @@ def test_runtime_and_simulator_make_the_same_plans(tmp_path):
     assert hw["name"] == "cpu-local" and hw["gemm_tflops"] > 0 and hw["fast_bytes_per_s"] > 0
     from lrmoe.sim.hardware import get_hardware
     assert get_hardware(str(cal)).gemm_tflops == hw["gemm_tflops"]  # a calibration file is a hardware preset
-    with pytest.raises(ValueError, match="lrmoe bench simulator"):
+    with pytest.raises(ValueError, match="lrmoe simulate calibrate"):
         get_hardware(str(tmp_path / "missing.json"))
