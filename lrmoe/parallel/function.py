@@ -43,6 +43,22 @@ def _row_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, backend: str
     return grouped_mm(a, b, offs, backend=backend)
 
 
+def select_pairs(policy, lay, send_pair, alpha_TK, g_TH, phi_TK, hidden_TH, idx_TK):
+    """(scores [T, K] or None, keep mask [P]) of one source rank's pairs: within every (source,
+    instance) bucket the ``plan.backward_quota_GN[source, instance]`` best by the policy's scorer
+    (:func:`lrmoe.kernels.routing.select_top_quota`); pairs dropped in forward are never kept; a
+    backward that does not select keeps every computed pair. ``lay``: the source's
+    :class:`~lrmoe.parallel.layout.Layout`; ``send_pair``: its computed pairs in send order.
+    Also the selection of :mod:`lrmoe.parallel.virtual` (one call per virtual source rank)."""
+    P = idx_TK.numel()
+    bucket_P = torch.full((P,), lay.n_buckets, dtype=torch.int64, device=g_TH.device)
+    bucket_P.index_copy_(0, send_pair, lay.send_inst)
+    if not policy.selects:
+        return None, bucket_P < lay.n_buckets  # every computed pair
+    scores_TK = score_pairs(policy, alpha_TK, g_TH, phi_TK, hidden_TH, idx_TK)
+    return scores_TK, select_top_quota(scores_TK.reshape(-1), bucket_P, lay.quota_B)
+
+
 class EPExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_TH, alpha_TK, gate_up, down, idx_TK, call: Call):
@@ -122,14 +138,7 @@ class EPExperts(torch.autograd.Function):
         watch.lap("router_grad")
 
         # 2. Scores and selection within (source = this rank, instance) buckets.
-        scores_TK = None
-        bucket_P = torch.full((P,), lay.n_buckets, dtype=torch.int64, device=dev)
-        bucket_P.index_copy_(0, send_pair, lay.send_inst)
-        if policy.selects:
-            scores_TK = score_pairs(policy, alpha_TK, g_TH, phi_TK, hidden_TH, idx_TK)
-            keep_P = select_top_quota(scores_TK.reshape(-1), bucket_P, lay.quota_B)
-        else:
-            keep_P = bucket_P < lay.n_buckets  # every computed pair
+        scores_TK, keep_P = select_pairs(policy, lay, send_pair, alpha_TK, g_TH, phi_TK, hidden_TH, idx_TK)
         watch.lap("score_select")
 
         # 3. Rows that cross the network: the kept ones (compact), or all with dropped zeroed (mask/keep-all).

@@ -104,6 +104,14 @@ class ExpertParallel:
         # "nccl", "gloo" or e.g. "cpu:gloo,cuda:nccl": whether the group can take CPU tensors.
         self.backend = str(dist.get_backend(group)).lower()
         self.sizes_checked = False  # the first call checks the message sizes before the demand gather
+        self._configure(num_experts, placement, budget_bytes=budget_bytes, slots_per_rank=slots_per_rank,
+                        fast_domains=fast_domains, grad_bytes=grad_bytes,
+                        optimizer_bytes_per_param=optimizer_bytes_per_param, **options)
+
+    def _configure(self, num_experts, placement, *, budget_bytes, slots_per_rank, fast_domains, grad_bytes,
+                   optimizer_bytes_per_param, **options) -> None:
+        """The planner settings over ``self.world_size`` ranks (also used by the single-process
+        :class:`lrmoe.parallel.virtual.VirtualExpertParallel`)."""
         G = self.world_size
         if num_experts % G:
             raise ValueError(f"num_experts ({num_experts}) must be divisible by the EP group size ({G}): "
@@ -211,6 +219,19 @@ def _check_local_inputs(hidden_TH, idx_TK, w_TK, gate_up, down, ep: ExpertParall
             raise ValueError(f"expert indices must be in [0, {ep.num_experts - 1}] (global ids), got values in [{lo}, {hi}]")
 
 
+def check_fits(plan: Plan, ep: ExpertParallel) -> None:
+    """:class:`EPOutOfMemoryError` when the plan of a whole call is over budget with fallback ``oom``."""
+    if plan.fallback != "oom":
+        return
+    m = plan.memory.summary()
+    raise EPOutOfMemoryError(
+        f"placement {ep.placement!r}: the plan needs {m['total']} bytes on its largest rank (base {m['base']}, "
+        f"replicas {m['replicas']}, tokens {m['tokens']}) but the budget is {ep.budget_bytes} bytes, and its "
+        f"fallback {ep.options.get('fallback', 'split')!r} could not make it fit"
+        f"{' (the static part alone is over the budget)' if m['base'] + m['replicas'] > ep.budget_bytes else ''}; "
+        f"raise budget_bytes or use smaller microbatches")
+
+
 def _merge_records(target: BackwardRecord, parts: list[BackwardRecord]) -> None:
     """One record for a split microbatch: counts summed, masks and scores concatenated over tokens."""
     cat = lambda name: torch.cat([getattr(p, name) for p in parts])  # noqa: E731
@@ -272,14 +293,7 @@ def ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weig
     plan_s = ep.plan_seconds  # this call's planning so far (a split adds each piece's below)
     if torch.is_grad_enabled():  # training calls advance the planner's state (SYMI's popularity);
         ep.state = plan.state    # evaluation under no_grad plans from it and leaves it unchanged
-    if plan.fallback == "oom":
-        m = plan.memory.summary()
-        raise EPOutOfMemoryError(
-            f"placement {ep.placement!r}: the plan needs {m['total']} bytes on its largest rank (base {m['base']}, "
-            f"replicas {m['replicas']}, tokens {m['tokens']}) but the budget is {ep.budget_bytes} bytes, and its "
-            f"fallback {ep.options.get('fallback', 'split')!r} could not make it fit"
-            f"{' (the static part alone is over the budget)' if m['base'] + m['replicas'] > ep.budget_bytes else ''}; "
-            f"raise budget_bytes or use smaller microbatches")
+    check_fits(plan, ep)
     if plan.num_splits == 1:
         ep.last_plan = plan
         return _run(hidden_TH, idx, top_k_weights_TK, gate_up_proj, down_proj, ep, plan, policy, record, plan_s)
