@@ -31,10 +31,23 @@ def _save(fig, out: Path, stem: str) -> list[Path]:
 
 def _label(result: dict) -> str:
     sc, tr, hw = result["scenario"], result["trace"], result["hardware"]["name"]
+    swept = (result.get("sweep") or {}).get("field")
     budget = "no budget" if result["budget_gib"] is None else f"per-layer budget {result['budget_gib']:.2f} GiB"
+    if swept == "budget":
+        budget = "per-layer budget as swept"
     src = tr.get("workload") or tr.get("source", "trace")
-    return (f"Simulated ({hw}; {sc['model']}, EP{sc['ranks']}, {sc['tokens_per_rank']} tokens per GPU, "
-            f"{budget}; trace: {src}, shape {tr.get('shape')}; {sc['name']})")
+    params = tr.get("params") or {}
+    if params and swept != "sigma":
+        src += " (" + ", ".join(f"{k} {v:g}" if isinstance(v, (int, float)) else f"{k} {v}" for k, v in params.items()) + ")"
+    ep = "EP as swept" if swept == "ranks" else f"EP{sc['ranks']}"
+    shape = list(tr.get("shape") or [])
+    if swept == "ranks" and len(shape) == 4:
+        shape[2] = "G"
+    steps_layers = f"trace: {src}, [steps, layers, ranks, experts] {shape}"
+    planning = "planning: median host time included" if next(iter(result["methods"].values())).get(
+        "planning_included", True) else "planning excluded"
+    return (f"Simulated ({hw}; {sc['model']}, {ep}, {sc['tokens_per_rank']} tokens per GPU, {budget}; "
+            f"{steps_layers}; {planning}; scenario {sc['name']})")
 
 
 def _table(head, rows) -> str:
@@ -79,14 +92,18 @@ def t5_rows(result: dict, paper: dict) -> list[list[str]]:
     for name, m in result["methods"].items():
         ph = m["phases_ms"]["backward"]
         paper_v = vals.get("LRMoE") if name == "lrmoe" else (vals.get("baseline") if name == "fixed" else None)
+        pairs = m["pairs"]
         rows.append([name, _f(m["backward_ms_per_layer"]), _f(ph["gemm"]), _f(ph["grad_rows"] + ph["dx"]),
                      _f(ph["router_grad"] + ph["score_select"] + ph["gather"]), _f(ph["weight_grads"]),
-                     _f(m["forward_ms_per_layer"]), _f(m["planning_ms_per_layer"]), _f(paper_v)])
+                     _f(m["forward_ms_per_layer"]), _f(m["planning_ms_per_layer"]),
+                     _f(100 * pairs["useful"] / pairs["routed"] if pairs["routed"] else None, 1),
+                     _f(100 * pairs["kept_backward"] / pairs["routed"] if pairs["routed"] else None, 1), _f(paper_v)])
     return rows
 
 
 T5_HEAD = ["method", "backward ms/layer", "GEMMs", "all-to-alls", "router grad + scoring + gathers",
-           "replica grads", "forward ms/layer", "planning ms (this host)", "paper backward"]
+           "replica grads", "forward ms/layer", "planning ms (this host)", "forward pairs %", "backward pairs %",
+           "paper backward"]
 
 
 def fallback_summary(counts: dict) -> str:
@@ -102,26 +119,43 @@ def fallback_summary(counts: dict) -> str:
 def f3_rows(result: dict, paper: dict) -> tuple[list[str], list[list[str]]]:
     pressures = list(next(iter(result["methods"].values()))["throughput"])
     vals = paper.get("F3", {}).get("values", {})
-    head = ["method"] + [f"{k}x (% of LRMoE)" for k in pressures] + ["fallbacks at the largest", "paper 20x"]
+    head = ["method"] + [f"{k}x (% of LRMoE)" for k in pressures] + \
+        [f"backward pairs kept % ({pressures[0]}x / {pressures[-1]}x)", "fallbacks at the largest", "paper 20x"]
     rows = []
     for name, m in result["methods"].items():
         tp = m["throughput"]
         last = tp[pressures[-1]]
         fb = fallback_summary(last["fallbacks"])
-        rows.append([name] + [_f(100 * tp[k]["relative"], 1) for k in pressures] + [fb, _f(vals.get(PAPER_NAMES.get(name)), 1)])
+        kept = [tp[k].get("kept_backward_share") for k in (pressures[0], pressures[-1])]
+        kept_s = " / ".join(_f(None if v is None else 100 * v, 1) for v in kept)
+        rows.append([name] + [_f(100 * tp[k]["relative"], 1) for k in pressures] +
+                    [kept_s, fb, _f(vals.get(PAPER_NAMES.get(name)), 1)])
     return head, rows
 
 
 def f5_rows(result: dict) -> tuple[list[str], list[list[str]]]:
+    """Per swept value: each method's mean MoE-layer time per layer (and its share of routed pairs
+    computed in forward when it drops some), and LRMoE's speed-up in effective throughput (useful
+    pairs per second), which charges a method that drops forward pairs (SYMI at capacity 1.0) for them."""
     sw = result["sweep"]
     names = list(sw["points"][0]["methods"])
-    head = [sw["field"]] + [f"{n} total ms/layer" for n in names] + [f"LRMoE speed-up vs {n}" for n in names if n != "lrmoe"]
+    head = [sw["field"]] + [f"{n} ms/layer" for n in names] + \
+        [f"LRMoE throughput / {n}" for n in names if n != "lrmoe"]
     rows = []
     for pt in sw["points"]:
-        ms = {n: pt["methods"][n]["moe_seconds"] / max(pt["methods"][n]["ran"], 1) * 1e3 for n in names}
-        oom = {n: pt["methods"][n]["oom"] for n in names}
-        cells = [f"{pt['value']:g}"] + [(_f(ms[n]) + (f" ({oom[n]} oom)" if oom[n] else "")) for n in names]
-        cells += [_f(ms[n] / ms["lrmoe"]) if "lrmoe" in ms and ms["lrmoe"] else "—" for n in names if n != "lrmoe"]
+        ms = pt["methods"]
+        cells = [f"{pt['value']:g}"]
+        for n in names:
+            m = ms[n]
+            c = _f(m["total_ms_per_layer"])
+            share = m.get("useful_share")
+            if share is not None and share < 0.9995:
+                c += f" ({100 * share:.0f} % pairs)"
+            if m["oom"]:
+                c += f" ({m['oom']} oom)"
+            cells.append(c)
+        lr = ms.get("lrmoe", {}).get("pairs_per_s")
+        cells += [_f(lr / ms[n]["pairs_per_s"]) if lr and ms[n]["pairs_per_s"] else "—" for n in names if n != "lrmoe"]
         rows.append(cells)
     return head, rows
 
@@ -132,15 +166,15 @@ def make_tables(result: dict, paper: dict, out: Path) -> list[Path]:
     tables = []
     if result.get("sweep"):
         head, rows = f5_rows(result)
-        tables.append(("F5", f"F5 {name}: MoE-layer time per layer (fwd + bwd, median plan; ms) as "
-                             f"{result['sweep']['field']} varies", head, rows))
+        tables.append(("F5", f"F5 {name}: MoE-layer time per layer (fwd + bwd, mean over steps and layers; ms) "
+                             f"and LRMoE's effective-throughput ratio as {result['sweep']['field']} varies", head, rows))
     else:
         want = result["scenario"].get("tables", ())
         if "T4" in want:
             tables.append(("T4", f"T4 {name}: memory of the executed plans per GPU (worst rank; median over "
                                  "steps and layers)", T4_HEAD, t4_rows(result, paper)))
         if "T5" in want:
-            tables.append(("T5", f"T5 {name}: time per MoE layer (median over steps and layers; ms)", T5_HEAD,
+            tables.append(("T5", f"T5 {name}: time per MoE layer (mean over steps and layers; ms)", T5_HEAD,
                            t5_rows(result, paper)))
         if "F3" in want:
             head, rows = f3_rows(result, paper)
@@ -163,10 +197,10 @@ def make_figures(result: dict, paper: dict, out: Path) -> list[Path]:
     if result.get("sweep"):
         sw = result["sweep"]
         for n in sw["points"][0]["methods"]:
-            ys = [p["methods"][n]["moe_seconds"] / max(p["methods"][n]["ran"], 1) * 1e3 for p in sw["points"]]
+            ys = [p["methods"][n]["total_ms_per_layer"] for p in sw["points"]]
             ax.plot([p["value"] for p in sw["points"]], ys, marker="o", label=n)
         ax.set_xlabel(sw["field"])
-        ax.set_ylabel("MoE-layer time per layer (ms)")
+        ax.set_ylabel("MoE-layer time per layer (ms, mean)")
         stem = f"F5_{name}"
     elif "throughput" in next(iter(result["methods"].values())) and len(result["scenario"]["pressures"]) > 1:
         for n, m in result["methods"].items():

@@ -164,7 +164,9 @@ def run_scenario(sc: Scenario, trace=None, *, hardware=None, include_planning: b
             entry = methods.setdefault(name, m)  # the first pressure's (1x) results, + throughput per pressure
             entry.setdefault("throughput", {})[f"{k:g}"] = {
                 "pairs_per_s": m["pairs_per_s"], "relative": m["pairs_per_s"] / lrmoe,
-                "relative_to_best": m["pairs_per_s"] / best, "fallbacks": m["fallbacks"], "oom": m["oom"]}
+                "relative_to_best": m["pairs_per_s"] / best, "fallbacks": m["fallbacks"], "oom": m["oom"],
+                "useful_share": m["useful_share"],
+                "kept_backward_share": m["pairs"]["kept_backward"] / m["pairs"]["routed"] if m["pairs"]["routed"] else None}
     return {"scenario": dataclasses.asdict(sc) | {"methods": [dataclasses.asdict(m) for m in sc.methods]},
             "hardware": dataclasses.asdict(hw), "trace": dict(trace.meta) | {"shape": list(counts.shape)},
             "budget_gib": budget / GIB if math.isfinite(budget) else None, "methods": methods,

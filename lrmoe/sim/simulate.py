@@ -9,9 +9,11 @@ contiguous slices), each paying its fixed costs; an ``oom`` plan cannot run (no 
 pairs, counted). SYMI's state carries from step to step per layer, as in the runtime.
 
 Per method the result holds the memory of the executed plans (worst rank per component, median
-and max over the (step, layer) plans), the forward and backward time per layer (median; also per
-phase), the planning time, the fallbacks, and the throughput: useful pairs (pairs computed in
-forward: routed pairs minus those dropped over capacity) per second of MoE-layer time.
+and max over the (step, layer) plans), the forward and backward time per layer (mean over the
+executed (step, layer) plans, so that layers x steps x mean is the cumulative MoE-layer time; also
+per phase), the planning time (the median of the planner's host times, charged to every plan's
+forward unless ``include_planning=False``), the fallbacks, and the throughput: useful pairs (pairs
+computed in forward: routed pairs minus those dropped over capacity) per second of MoE-layer time.
 """
 from __future__ import annotations
 
@@ -84,7 +86,7 @@ def run_method(method: Method, counts_SLGE: np.ndarray, cluster: Cluster, dims: 
               quota_options=method.quota_options)
     fallbacks: Counter = Counter()
     mem = {k: [] for k in ("base", "replicas", "tokens", "subtotal")}
-    fwd, bwd, plan_ms, total_s = [], [], [], 0.0
+    fwd, bwd, plan_ms = [], [], []
     phases = {("forward", p): [] for p in FORWARD} | {("backward", p): [] for p in BACKWARD}
     useful = routed = dropped = kept = replicas = 0
     oom = 0
@@ -99,6 +101,7 @@ def run_method(method: Method, counts_SLGE: np.ndarray, cluster: Cluster, dims: 
             fallbacks[plan.fallback or "none"] += 1
             if plan.fallback == "oom":
                 oom += 1
+                plan_ms.append(plan_s * 1e3)
                 continue
             pieces = [plan] if plan.num_splits == 1 else []
             for piece in (even_pieces(d, plan.num_splits) if plan.num_splits > 1 else []):
@@ -106,19 +109,16 @@ def run_method(method: Method, counts_SLGE: np.ndarray, cluster: Cluster, dims: 
                 pieces.append(plan_layer(method.placement, piece, cluster, dims, budget_bytes, state=states[layer],
                                          piece=True, **kw))
                 plan_s += time.perf_counter() - t1
-            costs = [layer_cost(p, cluster, dims, hw, selects=method.selects, compact=method.mode == "compact",
-                                plan_seconds=(plan_s if j == 0 else 0.0) if include_planning else 0.0)
-                     for j, p in enumerate(pieces)]
+            plan_ms.append(plan_s * 1e3)
+            costs = [layer_cost(p, cluster, dims, hw, selects=method.selects, compact=method.mode == "compact")
+                     for p in pieces]
             summaries = [p.memory.summary() for p in pieces]
             mem["base"].append(max(m["base"] for m in summaries) / GIB)
             mem["replicas"].append(max(m["replicas"] for m in summaries) / GIB)
             mem["tokens"].append(max(m["tokens"] for m in summaries) / GIB)
             mem["subtotal"].append(max(m["total"] for m in summaries) / GIB)
-            f, k = sum(c["forward_s"] for c in costs), sum(c["backward_s"] for c in costs)
-            fwd.append(f * 1e3)
-            bwd.append(k * 1e3)
-            plan_ms.append(plan_s * 1e3)
-            total_s += f + k
+            fwd.append(sum(c["forward_s"] for c in costs) * 1e3)
+            bwd.append(sum(c["backward_s"] for c in costs) * 1e3)
             for (part, p), v in phases.items():
                 v.append(sum(c[part][p] for c in costs) * 1e3)
             u = sum(c["pairs"] for c in costs)
@@ -129,17 +129,27 @@ def run_method(method: Method, counts_SLGE: np.ndarray, cluster: Cluster, dims: 
         if progress is not None:
             progress(s + 1, S)
     ran = len(fwd)
+    # planning is charged to every executed plan at the median of the planner times measured on this
+    # host: the planner's cost, robust to the host's other load (a mean would carry its spikes)
+    plan_charge = (_summ(plan_ms)["median"] or 0.0) if include_planning else 0.0
+    fwd = [f + plan_charge for f in fwd]
+    phases[("forward", "plan")] = [plan_charge] * ran
+    total_s = (sum(fwd) + sum(bwd)) / 1e3
     return {
         "method": dataclasses.asdict(method),
         "plans": S * L, "ran": ran, "oom": oom, "fallbacks": dict(sorted(fallbacks.items())),
         "memory_gib": {k: _summ(v)["median"] for k, v in mem.items()},
         "memory_gib_max": {k: _summ(v)["max"] for k, v in mem.items()},
-        "forward_ms_per_layer": _summ(fwd)["median"], "backward_ms_per_layer": _summ(bwd)["median"],
-        "total_ms_per_layer": _summ([a + b for a, b in zip(fwd, bwd)])["median"],
-        "planning_ms_per_layer": _summ(plan_ms)["median"],
-        "phases_ms": {part: {p: _summ(phases[(part, p)])["median"] for p in (FORWARD if part == "forward" else BACKWARD)}
+        "forward_ms_per_layer": _summ(fwd)["mean"], "backward_ms_per_layer": _summ(bwd)["mean"],
+        "total_ms_per_layer": _summ([a + b for a, b in zip(fwd, bwd)])["mean"],
+        "total_ms_per_layer_median": _summ([a + b for a, b in zip(fwd, bwd)])["median"],
+        "planning_ms_per_layer": plan_charge if include_planning else _summ(plan_ms)["median"],
+        "planning_ms_measured": _summ(plan_ms),
+        "planning_included": include_planning,
+        "phases_ms": {part: {p: _summ(phases[(part, p)])["mean"] for p in (FORWARD if part == "forward" else BACKWARD)}
                       for part in ("forward", "backward")},
         "pairs": {"routed": routed, "useful": useful, "dropped_over_capacity": dropped, "kept_backward": kept},
+        "useful_share": useful / routed if routed else None,
         "replicas_per_plan": replicas / ran if ran else None,
         "moe_seconds": total_s,
         "pairs_per_s": useful / total_s if total_s > 0 else 0.0,

@@ -49,11 +49,24 @@ def test_unpressured_replay_is_the_plans_cost():
                 state = p.state
                 want_b.append(layer_cost(p, CL, DIMS, HW, selects=m.selects)["backward_s"] * 1e3)
                 pairs += int(p.send_GN.sum())
-        assert r["backward_ms_per_layer"] == pytest.approx(float(np.median(want_b)))
+        assert r["backward_ms_per_layer"] == pytest.approx(float(np.mean(want_b)))  # the mean: x plans = cumulative
+        assert r["moe_seconds"] * 1e3 == pytest.approx(4 * r["total_ms_per_layer"])
+        assert r["planning_included"] is False and r["phases_ms"]["forward"]["plan"] == 0.0
         assert r["pairs"]["useful"] == pairs and r["oom"] == 0 and r["fallbacks"] == {"none": 4}
         assert r["pairs"]["dropped_over_capacity"] == int(c.sum()) - pairs
         if m.placement != "symi":  # SYMI drops pairs over capacity (factor 1.0); the others are dropless
             assert pairs == int(c.sum())
+
+
+def test_planning_is_charged_at_its_median_host_time():
+    c = counts(0)
+    m = PAPER_METHODS[-1]
+    with_p = run_method(m, c, CL, DIMS, HW, math.inf)
+    without = run_method(m, c, CL, DIMS, HW, math.inf, include_planning=False)
+    charge = with_p["planning_ms_measured"]["median"]
+    assert with_p["planning_ms_per_layer"] == charge > 0 and with_p["phases_ms"]["forward"]["plan"] == charge
+    assert with_p["forward_ms_per_layer"] == pytest.approx(without["forward_ms_per_layer"] + charge)
+    assert with_p["backward_ms_per_layer"] == without["backward_ms_per_layer"]
 
 
 def test_split_plans_run_every_piece_and_oom_runs_nothing():
