@@ -171,7 +171,7 @@ def t2_data(res: Results) -> list[dict]:
             wm, ws = mean_std(whole)
             out.append({"family": fam, "scorer": sc, "level": level_name(drop), "delta": fm, "delta_std": fs,
                         "n": len(final), "loss_gap_all": wm, "loss_gap_all_std": ws, "n_all": len(whole),
-                        "values": final})
+                        "values": final, "values_all": whole})
     return out
 
 

@@ -11,7 +11,11 @@ def register_cli(sub) -> None:
     p = sub.add_parser("reproduce", help="run every experiment of a preset, then `lrmoe figures`",
                        description=DESCRIPTION)
     p.add_argument("--preset", default="cpu", choices=list(PRESETS), help="smoke (CI), cpu (default), gpu1, paper")
-    p.add_argument("--out", default=None, help="results folder (default: results/<preset>)")
+    p.add_argument("--out", default=None, help="results folder of this call (default: results/<preset>-local, "
+                                               "git-ignored; results/<preset> is the committed reference)")
+    p.add_argument("--reference", default=None, metavar="DIR|none",
+                   help="results folder the tables are compared with, cell by cell, at the end (compare.md / "
+                        ".json in --out); default: the committed results/<preset> when it exists; 'none': no comparison")
     p.add_argument("--only", default=None, metavar="REGEX", help="only runs whose name matches (e.g. 'qwen3-C[0-9]+-lrm')")
     p.add_argument("--dry-run", action="store_true", help="list the runs and their status; run nothing")
     p.add_argument("--data", default=None, help="Alpaca source for every run (file, directory or hub id); "
@@ -28,7 +32,7 @@ def _cli(args) -> int:
 
     try:
         return reproduce(args.preset, args.out, args.only, args.dry_run, args.data, args.jobs,
-                         figures=not args.no_figures)
+                         figures=not args.no_figures, reference=args.reference)
     except UsageError as e:  # a bad argument: one line, no traceback
         print(f"lrmoe reproduce: {e}", file=sys.stderr)
         return 2

@@ -9,14 +9,22 @@ import sys
 import time
 from pathlib import Path
 
-from lrmoe.files import CorruptFileError
+from lrmoe.files import CorruptFileError, read_json
 from lrmoe.runs import RunSpec, UsageError, pool, record_call, run_all, select, survey, torchrun, write_manifest
 from lrmoe.train.ep import world_size_from_env
 
 from .presets import PRESETS, Preset, resolve_data
+from .progress import StepProgress, machine, machine_line
 
 
 def default_out(preset: str) -> Path:
+    """Where a call writes by default: ``results/<preset>-local/`` (git-ignored), never the
+    committed reference ``results/<preset>/`` (:func:`default_reference`)."""
+    return Path("results") / f"{preset}-local"
+
+
+def default_reference(preset: str) -> Path:
+    """The committed results of a preset (``results/<preset>/``) that a rerun is compared with."""
     return Path("results") / preset
 
 
@@ -57,7 +65,7 @@ def check_jobs(jobs: int | None) -> None:
 
 
 def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_run: bool = False, data: str | None = None,
-              jobs: int | None = None, figures: bool = True, progress: bool = True) -> int:
+              jobs: int | None = None, figures: bool = True, progress: bool = True, reference=None) -> int:
     """Run every pending run of ``preset`` (skipping finished ones), then the figures. Returns an
     exit code: 0, 1 (a run failed), 2 (a run folder of another config, a damaged one or one that
     another process trains, or a preset whose hardware this machine lacks: checked before anything
@@ -67,9 +75,16 @@ def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_r
     A torchrun preset (``paper``) launched from a shell prints one ``torchrun`` command per pending
     run and runs them one after another when the machine has the GPUs. Under torchrun
     (``torchrun ... -m lrmoe.cli reproduce ...``), every rank runs the pending runs in this
-    process, one after another, over one process group; rank 0 writes the files."""
+    process, one after another, over one process group; rank 0 writes the files.
+
+    With ``figures``, the tables are then compared cell by cell with ``reference`` (a results
+    folder; default the committed ``results/<preset>/`` when it has a manifest; ``"none"`` or a
+    reference that is the output folder itself: no comparison) and with the paper
+    (:mod:`~lrmoe.reproduce.compare`: ``compare.md`` and ``compare.json`` in the output folder,
+    the Markdown printed last on stdout)."""
     check_jobs(jobs)
     pl = plan(preset, out_dir, only, data)
+    ref = _reference(pl["preset"], pl["out"], reference)
     p, out, runs, sv = pl["preset"], pl["out"], pl["runs"], pl["survey"]
     done, pending = sv.done(runs), sv.pending(runs)
     under_torchrun = world_size_from_env() > 1
@@ -92,12 +107,12 @@ def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_r
     if main and sv.reasons(pending):  # why a started run runs again (it resumes, or restarts)
         print("\n".join(["lrmoe reproduce: started runs that run again:", *sv.reasons(pending)]), file=sys.stderr)
     if p.launcher == "torchrun" and not under_torchrun:
-        return _launch_torchrun(p, out, pl["all_runs"], runs, pending, figures)
+        return _launch_torchrun(p, out, pl["all_runs"], runs, pending, figures, ref)
     if missing:  # checked before any file is written or any data is fetched
         print(f"lrmoe reproduce: preset {p.name!r} needs {p.hardware}, but {missing}, so nothing was run; run it on "
               f"such a machine, or use --preset cpu (or smoke) here", file=sys.stderr)
         return 2
-    t0 = time.perf_counter()
+    t0, at_start = time.perf_counter(), machine()
     if pending and not under_torchrun:  # tokenise and pack once; bad data is said before anything is written
         try:
             pool.prepare_data(pending)
@@ -107,9 +122,14 @@ def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_r
     if main:
         _clean(sv)
         out.mkdir(parents=True, exist_ok=True)
-        write_manifest(out, _manifest(p, pl["all_runs"]))
-    res = run_all(pending, out, jobs, progress=progress, main=main, under_torchrun=under_torchrun,
-                  desc=f"reproduce {p.name}", done=len(done), prepare=False)
+        write_manifest(out, _manifest(p, pl["all_runs"], at_start if pending else _trained_on(out)))
+        print(f"  machine: {machine_line(at_start)}", file=sys.stderr)
+    # workers train without a bar of their own: one bar of their steps, read from their metrics files
+    steps_bar = StepProgress(out, [(r.name, int(r.config["steps"])) for r in pending],
+                             enabled=progress and main and jobs > 1 and not under_torchrun)
+    with steps_bar:
+        res = run_all(pending, out, jobs, progress=progress, main=main, under_torchrun=under_torchrun,
+                      desc=f"reproduce {p.name}", done=len(done), prepare=False)
     if main and res.failures:  # a run that failed before its first step leaves only its lock file
         _clean(survey(out, [r for r in pending if r.name in {n for n, _ in res.failures}]))
     if res.interrupted:
@@ -118,7 +138,27 @@ def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_r
         return 130
     if not main:
         return 0
-    return _finish(p, out, runs, pending, res.failures, time.perf_counter() - t0, jobs, only, figures)
+    return _finish(p, out, runs, pending, res.failures, time.perf_counter() - t0, jobs, only, figures, at_start, ref)
+
+
+def _reference(p: Preset, out: Path, reference) -> Path | None:
+    """The results folder to compare with: ``reference`` (a folder; ``"none"``: none), else the
+    committed ``results/<preset>/`` when it holds a manifest; None when it is the output folder."""
+    if isinstance(reference, str) and reference.lower() == "none":
+        return None
+    if reference is None:
+        ref = default_reference(p.name)
+        if not (ref / "manifest.json").is_file():
+            return None
+    else:
+        ref = Path(reference)
+        if not ref.is_dir():
+            what = "is not a folder" if ref.exists() else "does not exist"
+            raise UsageError(f"--reference {str(reference)!r} {what}; give a results folder of the preset (default "
+                             f"results/{p.name}), or 'none' for no comparison")
+    if ref.resolve() == out.resolve():
+        return None
+    return ref
 
 
 def _missing_hardware(p: Preset, pending: list[RunSpec]) -> str | None:
@@ -137,8 +177,21 @@ def _clean(sv) -> None:
               + ", ".join(str(q) for q in removed), file=sys.stderr)
 
 
-def _manifest(p: Preset, all_runs: list[RunSpec]) -> dict:
-    return {"preset": p.to_dict(), "runs": [dataclasses.asdict(r) for r in all_runs]}
+def _trained_on(out: Path) -> dict | None:
+    """The machine the manifest of ``out`` recorded when its runs were trained (None without one):
+    a call that trains nothing keeps it."""
+    try:
+        old = read_json(out / "manifest.json", missing={})
+    except CorruptFileError:
+        return None
+    return old.get("machine") if isinstance(old, dict) else None
+
+
+def _manifest(p: Preset, all_runs: list[RunSpec], at_start: dict | None = None) -> dict:
+    m = {"preset": p.to_dict(), "runs": [dataclasses.asdict(r) for r in all_runs]}
+    if at_start is not None:  # the machine and its load when this call started
+        m["machine"] = at_start
+    return m
 
 
 def _describe(p: Preset, out: Path, runs: list[RunSpec], n_done: int, n_pending: int, jobs: int) -> None:
@@ -179,7 +232,7 @@ def _list_runs(p: Preset, out: Path, runs: list[RunSpec], sv, skip: str | None, 
 
 
 def _launch_torchrun(p: Preset, out: Path, all_runs: list[RunSpec], runs: list[RunSpec], pending: list[RunSpec],
-                     figures: bool) -> int:
+                     figures: bool, ref: Path | None) -> int:
     """Not under torchrun: print one torchrun command per pending run, then run them one after
     another when this machine has the GPUs; otherwise exit with status 2 (the commands are the way
     to run the preset elsewhere)."""
@@ -196,18 +249,22 @@ def _launch_torchrun(p: Preset, out: Path, all_runs: list[RunSpec], runs: list[R
               f"them one after another and then the figures.", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    write_manifest(out, _manifest(p, all_runs))
-    t0 = time.perf_counter()
+    t0, at_start = time.perf_counter(), machine()
+    write_manifest(out, _manifest(p, all_runs, at_start))
     failures = torchrun.launch_each(pending, out, p.nproc)
-    return _finish(p, out, runs, pending, failures, time.perf_counter() - t0, 1, None, figures)
+    return _finish(p, out, runs, pending, failures, time.perf_counter() - t0, 1, None, figures, at_start, ref)
 
 
-def _finish(p, out, runs, pending, failures, wall, jobs, only, figures) -> int:
-    """reproduce.json, then the figures; the exit code."""
+def _finish(p, out, runs, pending, failures, wall, jobs, only, figures, at_start, reference) -> int:
+    """reproduce.json (with the machine and its load at the start and the end), then the figures
+    and the comparison with the reference and the paper (printed last); the exit code."""
+    at_end = machine()
     record_call(out / "reproduce.json", {"preset": p.name, "runs": len(runs), "ran_now": len(pending),
-                                         "failed": failures, "jobs": jobs, "only": only}, wall,
+                                         "failed": failures, "jobs": jobs, "only": only,
+                                         "machine_at_start": at_start, "machine_at_end": at_end}, wall,
                 warn=lambda msg: print(f"lrmoe reproduce: {msg}", file=sys.stderr))
-    print(f"preset {p.name}: {len(pending)} run(s) in {wall:.0f}s", file=sys.stderr)
+    print(f"preset {p.name}: {len(pending)} run(s) in {wall:.0f}s ({wall / 60:.1f} min, {jobs} in parallel) on "
+          f"{machine_line(at_start)} at the start; load average {_load(at_end)} at the end", file=sys.stderr)
     if figures:
         from paper_figures import make_all
 
@@ -219,4 +276,21 @@ def _finish(p, out, runs, pending, failures, wall, jobs, only, figures) -> int:
             print(f"lrmoe reproduce: the figures were not made: {e}", file=sys.stderr)
             return 1
         print(f"figures and tables: {len(written)} files under {out}/tables and {out}/figures", file=sys.stderr)
+        if reference is not None:
+            from .compare import compare, render_markdown, write_comparison
+
+            try:
+                result = compare(out, reference)
+            except (CorruptFileError, AmbiguousRuns) as e:
+                print(f"lrmoe reproduce: no comparison with {reference}/: {e}", file=sys.stderr)
+                return 1
+            files = write_comparison(result, out)
+            print(f"comparison with {reference}/ and the paper: {', '.join(str(f) for f in files)}", file=sys.stderr)
+            sys.stdout.write("\n" + render_markdown(result))
+            sys.stdout.flush()
     return 1 if failures else 0
+
+
+def _load(m: dict) -> str:
+    load = m.get("load_average")
+    return " / ".join(f"{x:.2f}" for x in load) + " (1 / 5 / 15 min)" if load else "unknown"
