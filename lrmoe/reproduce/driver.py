@@ -81,7 +81,11 @@ def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_r
     folder; default the committed ``results/<preset>/`` when it has a manifest; ``"none"`` or a
     reference that is the output folder itself: no comparison) and with the paper
     (:mod:`~lrmoe.reproduce.compare`: ``compare.md`` and ``compare.json`` in the output folder,
-    the Markdown printed last on stdout)."""
+    the Markdown printed last on stdout).
+
+    ``preset`` may be any object with a :class:`Preset`'s attributes and methods (`lrmoe ablate`
+    passes an ablation grid, :class:`lrmoe.ablate.grid.Grid`); ``figures`` may be a function
+    ``figures(out, runs) -> exit code`` that makes the tables instead (no comparison then)."""
     check_jobs(jobs)
     pl = plan(preset, out_dir, only, data)
     ref = _reference(pl["preset"], pl["out"], reference)
@@ -97,30 +101,30 @@ def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_r
         _list_runs(p, out, runs, sv, pl["skip"], missing)
         return 0
     if pl["skip"]:
-        print(f"lrmoe reproduce: skipped: {pl['skip']}", file=sys.stderr)
+        print(f"{p.prog}: skipped: {pl['skip']}", file=sys.stderr)
         return 0
-    refusal = sv.refusal(out, "lrmoe reproduce")
+    refusal = sv.refusal(out, p.prog)
     if refusal:
         if main:
             print("\n".join(refusal), file=sys.stderr)
         return 2
     if main and sv.reasons(pending):  # why a started run runs again (it resumes, or restarts)
-        print("\n".join(["lrmoe reproduce: started runs that run again:", *sv.reasons(pending)]), file=sys.stderr)
+        print("\n".join([f"{p.prog}: started runs that run again:", *sv.reasons(pending)]), file=sys.stderr)
     if p.launcher == "torchrun" and not under_torchrun:
         return _launch_torchrun(p, out, pl["all_runs"], runs, pending, figures, ref)
     if missing:  # checked before any file is written or any data is fetched
-        print(f"lrmoe reproduce: preset {p.name!r} needs {p.hardware}, but {missing}, so nothing was run; run it on "
-              f"such a machine, or use --preset cpu (or smoke) here", file=sys.stderr)
+        print(f"{p.prog}: {p.kind} {p.name!r} needs {p.hardware}, but {missing}, so nothing was run; run it on "
+              f"such a machine, or {p.elsewhere}", file=sys.stderr)
         return 2
     t0, at_start = time.perf_counter(), machine()
     if pending and not under_torchrun:  # tokenise and pack once; bad data is said before anything is written
         try:
             pool.prepare_data(pending)
         except (ValueError, OSError) as e:
-            print(f"lrmoe reproduce: the runs' data cannot be prepared, so nothing was run: {e}", file=sys.stderr)
+            print(f"{p.prog}: the runs' data cannot be prepared, so nothing was run: {e}", file=sys.stderr)
             return 2
     if main:
-        _clean(sv)
+        _clean(sv, p.prog)
         out.mkdir(parents=True, exist_ok=True)
         write_manifest(out, _manifest(p, pl["all_runs"], at_start if pending else _trained_on(out)))
         print(f"  machine: {machine_line(at_start)}", file=sys.stderr)
@@ -129,12 +133,12 @@ def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_r
                              enabled=progress and main and jobs > 1 and not under_torchrun)
     with steps_bar:
         res = run_all(pending, out, jobs, progress=progress, main=main, under_torchrun=under_torchrun,
-                      desc=f"reproduce {p.name}", done=len(done), prepare=False)
+                      desc=f"{p.prog.split()[-1]} {p.name}", done=len(done), prepare=False)
     if main and res.failures:  # a run that failed before its first step leaves only its lock file
-        _clean(survey(out, [r for r in pending if r.name in {n for n, _ in res.failures}]))
+        _clean(survey(out, [r for r in pending if r.name in {n for n, _ in res.failures}]), p.prog)
     if res.interrupted:
         if main:
-            print(f"lrmoe reproduce: interrupted; rerun the same command to resume ({out}/)", file=sys.stderr)
+            print(f"{p.prog}: interrupted; rerun the same command to resume ({out}/)", file=sys.stderr)
         return 130
     if not main:
         return 0
@@ -169,10 +173,10 @@ def _missing_hardware(p: Preset, pending: list[RunSpec]) -> str | None:
     return torchrun.missing_hardware(pending, 1)
 
 
-def _clean(sv) -> None:
+def _clean(sv, prog: str) -> None:
     removed = sv.clean()
     if removed:
-        print(f"lrmoe reproduce: removed {len(removed)} leftover(s) of failed or interrupted runs (lock files of "
+        print(f"{prog}: removed {len(removed)} leftover(s) of failed or interrupted runs (lock files of "
               f"runs that failed before their first step, their empty folders, temporary files): "
               + ", ".join(str(q) for q in removed), file=sys.stderr)
 
@@ -195,7 +199,7 @@ def _manifest(p: Preset, all_runs: list[RunSpec], at_start: dict | None = None) 
 
 
 def _describe(p: Preset, out: Path, runs: list[RunSpec], n_done: int, n_pending: int, jobs: int) -> None:
-    print(f"preset {p.name}: {p.description}", file=sys.stderr)
+    print(f"{p.kind} {p.name}: {p.description}", file=sys.stderr)
     print(f"  hardware: {p.hardware}; cost: {p.cost}", file=sys.stderr)
     if runs:  # the settings every run shares (the full configs are in manifest.json)
         common = {k: v for k, v in runs[0].config.items() if all(r.config.get(k) == v for r in runs)}
@@ -211,7 +215,7 @@ def _list_runs(p: Preset, out: Path, runs: list[RunSpec], sv, skip: str | None, 
     for r in runs:
         c, st = r.config, sv.states[r.name]
         print(f"  {r.name:28s} {','.join(r.experiments):6s} {sv.label(r.name):{width}s} "
-              f"model={c['model']} drop={c['drop_ratio']} scorer={c['scorer']} seed={c['seed']} steps={c['steps']}", flush=True)
+              f"{p.run_line(r)}", flush=True)
         if r.name in sv.stale and st.state != "damaged":
             print(f"    its folder holds a run of another config ({'; '.join(sv.stale[r.name])}): "
                   f"a real call stops with status 2", file=sys.stderr)
@@ -243,9 +247,9 @@ def _launch_torchrun(p: Preset, out: Path, all_runs: list[RunSpec], runs: list[R
         print(shlex.join(torchrun.torchrun_command(r, out / r.name, p.nproc)), flush=True)
     missing = torchrun.missing_hardware(pending, p.nproc)
     if missing:
-        print(f"lrmoe reproduce: preset {p.name!r} trains every run with expert-parallel torchrun launches of "
+        print(f"{p.prog}: {p.kind} {p.name!r} trains every run with expert-parallel torchrun launches of "
               f"{p.nproc} processes ({p.hardware}); {missing}, so nothing was run. Run the commands above on such "
-              f"a machine (from the repository root), or `lrmoe reproduce --preset {p.name}` there, which runs "
+              f"a machine (from the repository root), or `{p.command()}` there, which runs "
               f"them one after another and then the figures.", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
@@ -259,21 +263,23 @@ def _finish(p, out, runs, pending, failures, wall, jobs, only, figures, at_start
     """reproduce.json (with the machine and its load at the start and the end), then the figures
     and the comparison with the reference and the paper (printed last); the exit code."""
     at_end = machine()
-    record_call(out / "reproduce.json", {"preset": p.name, "runs": len(runs), "ran_now": len(pending),
+    record_call(out / f"{p.prog.split()[-1]}.json", {p.kind: p.name, "runs": len(runs), "ran_now": len(pending),
                                          "failed": failures, "jobs": jobs, "only": only,
                                          "machine_at_start": at_start, "machine_at_end": at_end}, wall,
-                warn=lambda msg: print(f"lrmoe reproduce: {msg}", file=sys.stderr))
-    print(f"preset {p.name}: {len(pending)} run(s) in {wall:.0f}s ({wall / 60:.1f} min, {jobs} in parallel) on "
+                warn=lambda msg: print(f"{p.prog}: {msg}", file=sys.stderr))
+    print(f"{p.kind} {p.name}: {len(pending)} run(s) in {wall:.0f}s ({wall / 60:.1f} min, {jobs} in parallel) on "
           f"{machine_line(at_start)} at the start; load average {_load(at_end)} at the end", file=sys.stderr)
+    if callable(figures):  # the caller's tables and figures (`lrmoe ablate`: the grid's aggregation)
+        return max(int(figures(out, runs) or 0), 1 if failures else 0)
     if figures:
         from paper_figures import make_all
 
         from paper_figures import AmbiguousRuns
 
         try:
-            written = make_all(out, out, warn=lambda msg: print(f"lrmoe reproduce: {msg}", file=sys.stderr))
+            written = make_all(out, out, warn=lambda msg: print(f"{p.prog}: {msg}", file=sys.stderr))
         except (CorruptFileError, AmbiguousRuns) as e:  # a manifest that cannot be read, two runs of one cell
-            print(f"lrmoe reproduce: the figures were not made: {e}", file=sys.stderr)
+            print(f"{p.prog}: the figures were not made: {e}", file=sys.stderr)
             return 1
         print(f"figures and tables: {len(written)} files under {out}/tables and {out}/figures", file=sys.stderr)
         if reference is not None:
@@ -282,7 +288,7 @@ def _finish(p, out, runs, pending, failures, wall, jobs, only, figures, at_start
             try:
                 result = compare(out, reference)
             except (CorruptFileError, AmbiguousRuns) as e:
-                print(f"lrmoe reproduce: no comparison with {reference}/: {e}", file=sys.stderr)
+                print(f"{p.prog}: no comparison with {reference}/: {e}", file=sys.stderr)
                 return 1
             files = write_comparison(result, out)
             print(f"comparison with {reference}/ and the paper: {', '.join(str(f) for f in files)}", file=sys.stderr)

@@ -35,9 +35,23 @@ class Preset:
     nproc: int = 1  # torchrun: processes per run (one node; one GPU each)
     hardware: str = ""
 
+    # what the driver calls it (class attributes, not fields: the manifest holds the fields only)
+    prog = "lrmoe reproduce"
+    kind = "preset"
+    elsewhere = "use --preset cpu (or smoke) here"
+
     def runs(self) -> list[RunSpec]:
         """Every run of the preset, E1 and E2 (:func:`lrmoe.reproduce.experiments.preset_runs`)."""
         return preset_runs(self)
+
+    def command(self) -> str:
+        """The command that runs the preset (said where a machine lacks its hardware)."""
+        return f"lrmoe reproduce --preset {self.name}"
+
+    def run_line(self, r: RunSpec) -> str:
+        """What the dry run lists of a run, after its name, experiments and state."""
+        c = r.config
+        return f"model={c['model']} drop={c['drop_ratio']} scorer={c['scorer']} seed={c['seed']} steps={c['steps']}"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
