@@ -16,6 +16,7 @@ COMMANDS = {
     "bench": "lrmoe.bench.cli",
     "train": "lrmoe.train.cli",
     "reproduce": "lrmoe.reproduce",
+    "ablate": "lrmoe.ablate.cli",
     "figures": "paper_figures.cli",
     "simulate": "lrmoe.sim.cli",
 }

@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("train", ("lrmoe.data", "lrmoe.hf", "lrmoe.train")),
     ("runs", ("lrmoe.runs", "lrmoe.bench")),
     ("figures", ("paper_figures",)),
-    ("experiments", ("lrmoe.reproduce", "ablations", "lrmoe.sim.cli")),  # lrmoe.sim.cli: `lrmoe simulate`
+    ("experiments", ("lrmoe.reproduce", "lrmoe.ablate", "ablations", "lrmoe.sim.cli")),  # lrmoe.sim.cli: `lrmoe simulate`
     ("scripts", ("scripts",)),
     ("cli", ("lrmoe.cli",)),
 ]
