@@ -18,6 +18,7 @@ COMMANDS = {
     "reproduce": "lrmoe.reproduce",
     "ablate": "lrmoe.ablate.cli",
     "figures": "paper_figures.cli",
+    "plot": "paper_figures.plot",
     "simulate": "lrmoe.sim.cli",
 }
 
