@@ -17,8 +17,8 @@ read, or a finished run whose metrics are damaged, is named in every table, in t
 """
 from .makers import MAKERS, Maker, register, unregister
 from .report import make_all
-from .results import (FAMILY_NAMES, NOT_RUN, AmbiguousRuns, Results, Run, level_name, mean_std, paper_numbers,
-                      rows_per_step)
+from .results import (FAMILY_NAMES, NOT_RUN, AmbiguousRuns, IncomparableRuns, Results, Run, level_name, mean_std,
+                      paper_numbers, rows_per_step)
 
-__all__ = ["AmbiguousRuns", "FAMILY_NAMES", "MAKERS", "Maker", "NOT_RUN", "Results", "Run", "level_name", "make_all", "mean_std",
-           "paper_numbers", "register", "rows_per_step", "unregister"]
+__all__ = ["AmbiguousRuns", "FAMILY_NAMES", "IncomparableRuns", "MAKERS", "Maker", "NOT_RUN", "Results", "Run",
+           "level_name", "make_all", "mean_std", "paper_numbers", "register", "rows_per_step", "unregister"]

@@ -23,11 +23,11 @@ from pathlib import Path
 from lrmoe.files import CorruptFileError
 from lrmoe.run_folder import DAMAGED, NEW, read_metrics, run_state
 
-from .figures import _plt, _save
-from .results import _RUNTIME
+from .figures import pyplot, save_figure
+from .results import RUNTIME_FIELDS
 
 # fields that never change what a run computes (the data path does: it stays)
-_IGNORED = tuple(k for k in _RUNTIME if k != "data")
+_IGNORED = tuple(k for k in RUNTIME_FIELDS if k != "data")
 
 
 class PlotError(ValueError):
@@ -143,7 +143,7 @@ def plot_runs(paths, out="plots", name: str = "runs", layer=None, step=None) -> 
     if not name or "/" in name or name.startswith("."):
         raise PlotError(f"--name {name!r}: give a file-name stem without '/' (e.g. 'runs')")
     experts = [expert_step(r, layer, step) for r in runs]  # checked before anything is written
-    plt, sns = _plt()
+    plt, sns = pyplot()
     colors = sns.color_palette("tab10", max(len(runs), 1))
     return _curves(plt, runs, colors, out, name) + _experts(plt, runs, experts, out, name)
 
@@ -188,7 +188,7 @@ def _curves(plt, runs, colors, out: Path, name: str) -> list[Path]:
                    transform=a_leg.transAxes)
     fig.suptitle(f"{len(runs)} run(s): measured, from their metrics.jsonl", fontsize=10)
     fig.tight_layout()
-    files = _save(fig, out, f"{name}_curves", sub="")
+    files = save_figure(fig, out, f"{name}_curves", sub="")
     plt.close(fig)
     return files
 
@@ -219,7 +219,7 @@ def _experts(plt, runs, experts, out: Path, name: str) -> list[Path]:
         fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False, bbox_to_anchor=(0.5, -0.02))
     fig.suptitle("per-expert demand, backward quota and kept pairs (measured)", fontsize=10)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    files = _save(fig, out, f"{name}_experts", sub="")
+    files = save_figure(fig, out, f"{name}_experts", sub="")
     plt.close(fig)
     return files
 

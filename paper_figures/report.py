@@ -11,6 +11,7 @@ from lrmoe.files import write_text
 
 from .makers import MAKERS, ordered
 from .results import Results, paper_numbers
+from .tables import check_comparable
 
 
 def make_all(results_dir, out_dir=None, only: list[str] | None = None,
@@ -18,8 +19,10 @@ def make_all(results_dir, out_dir=None, only: list[str] | None = None,
     """Write every registered table/figure (or those in ``only``) and ``report.md`` of
     ``results_dir`` (a folder, or its :class:`~paper_figures.results.Results`); returns the files. ``warn`` is told of each damaged run folder, left out of the tables and figures (the
     report and every table name them too). Two runs of one table cell raise
-    :class:`~paper_figures.results.AmbiguousRuns`."""
+    :class:`~paper_figures.results.AmbiguousRuns`, table runs that differ in more than the
+    tables' axes :class:`~paper_figures.results.IncomparableRuns` (both before anything is written)."""
     res = results_dir if isinstance(results_dir, Results) else Results.load(results_dir)
+    check_comparable(res)
     out = Path(out_dir) if out_dir is not None else res.dir
     for name, why in res.damaged.items():
         if warn is not None:

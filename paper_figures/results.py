@@ -24,12 +24,17 @@ FAMILY_NAMES = {"qwen3": "Qwen3-MoE", "glm4": "GLM-4.5-MoE"}
 _FAMILY_OF = {"qwen3_moe": "qwen3", "glm4_moe": "glm4"}
 NOT_RUN = "not run"
 # config fields that do not change what a run computes (left out when saying how two runs differ)
-_RUNTIME = ("threads", "log_interval", "checkpoint_interval", "eval_interval", "load_concurrency", "data")
+RUNTIME_FIELDS = ("threads", "log_interval", "checkpoint_interval", "eval_interval", "load_concurrency", "data")
 
 
 class AmbiguousRuns(ValueError):
     """Several runs of a results folder match one table cell; the message names them and says
     which config fields differ."""
+
+
+class IncomparableRuns(AmbiguousRuns):
+    """The runs of a table differ in more than the table's axes (e.g. 12 and 2 steps); the message
+    says which fields differ, with the runs of each value."""
 
 
 def paper_numbers() -> dict:
@@ -208,9 +213,23 @@ class Results:
         return found[0] if found else None
 
 
+def grouped_differences(runs: list[Run], ignore=()) -> list[str]:
+    """``steps: 12 (a, b) / 2 (c)`` for every config field (other than ``ignore`` and the runtime
+    fields) in which ``runs`` differ."""
+    keys = sorted({k for r in runs for k in r.config} - set(RUNTIME_FIELDS) - set(ignore))
+    out = []
+    for k in keys:
+        by: dict[str, list[str]] = {}
+        for r in runs:
+            by.setdefault(repr(r.config.get(k)), []).append(r.name)
+        if len(by) > 1:
+            out.append(f"{k}: " + " / ".join(f"{v} ({', '.join(names)})" for v, names in by.items()))
+    return out
+
+
 def differences(configs: list[dict]) -> str:
     """The config fields in which runs differ (``steps: 12 / 2``), or what else tells them apart."""
-    keys = sorted({k for c in configs for k in c} - set(_RUNTIME))
+    keys = sorted({k for c in configs for k in c} - set(RUNTIME_FIELDS))
     diff = [f"{k}: {' / '.join(repr(c.get(k)) for c in configs)}" for k in keys
             if any(c.get(k) != configs[0].get(k) for c in configs)]
     return "; ".join(diff) if diff else "no training field (only runtime fields, data path or folder name)"

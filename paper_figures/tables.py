@@ -17,7 +17,7 @@ from pathlib import Path
 
 from lrmoe.files import write_text
 
-from .results import FAMILY_NAMES, NOT_RUN, Results, level_name, mean_std
+from .results import FAMILY_NAMES, NOT_RUN, IncomparableRuns, Results, grouped_differences, level_name, mean_std
 
 LEVELS = (0.0, 0.1, 0.2, 0.3)
 SCORER_NAMES = {"lrm": "LRM", "grad_norm": "squared gradient norm", "abs_grad": "absolute gradient magnitude",
@@ -83,6 +83,45 @@ def _write(out: Path, stem: str, md_lines: list[str], tex: str) -> list[Path]:
     write_text(md, "\n".join(md_lines).rstrip() + "\n")
     write_text(tx, tex)
     return [md, tx]
+
+
+# ----------------------------------------------------------------------------- comparability
+TABLE_AXES = ("drop_ratio", "scorer", "seed", "policy_seed")  # what T1, T2 and F2 vary between their runs
+FAMILY_FIELDS = ("model", "model_overrides", "init_from", "tokenizer")  # what may differ between the families
+
+
+def table_runs(res: Results) -> list:
+    """The finished runs that fill a T1/T2/F2 cell (every seed of the preset)."""
+    seeds = sorted({*res.seeds("e1_seeds"), *res.seeds("e2_seeds", default=(0, 1, 2))})
+    drop = float(res.preset.get("e2_drop", 0.2))
+    scorers = list(res.preset.get("e2_scorers", SCORER_NAMES))
+    found = {}
+    for fam in res.families():
+        for s in seeds:
+            cells = [(d, "lrm") for d in LEVELS] + [(drop, sc) for sc in scorers]
+            for d, sc in cells:
+                r = res.find(fam, d, sc if d > 0 else None, s)
+                if r is not None and r.done:
+                    found[r.name] = r
+    return list(found.values())
+
+
+def check_comparable(res: Results) -> None:
+    """Raise :class:`IncomparableRuns` when the runs of the tables differ in more than the tables'
+    axes (drop ratio, scorer, seed) within a family, or, between families, in more than those and
+    the model (a T1 built from 12-step and 2-step runs would be meaningless)."""
+    runs = table_runs(res)
+    lines = []
+    for fam in res.families():
+        mine = [r for r in runs if r.family == fam]
+        lines += [f"{fam}: {d}" for d in grouped_differences(mine, TABLE_AXES)]
+    if not lines and len(res.families()) > 1:
+        lines += [f"between families: {d}" for d in grouped_differences(runs, TABLE_AXES + FAMILY_FIELDS)]
+    if lines:
+        raise IncomparableRuns(
+            f"{res.dir}: the runs of T1/T2/F2 are not comparable: they differ in more than drop_ratio, scorer and "
+            f"seed (and the model between families): " + "; ".join(lines) + ". Keep one setting per folder (move the "
+            f"other runs elsewhere), or plot one's own runs side by side with `lrmoe plot RUN...`")
 
 
 # ----------------------------------------------------------------------------- T1

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from lrmoe.files import write_json, write_text
 from paper_figures import FAMILY_NAMES, Results, level_name, paper_numbers
-from paper_figures.tables import LEVELS, SCORER_NAMES, t1_data, t2_data
+from paper_figures.tables import LEVELS, SCORER_NAMES, check_comparable, t1_data, t2_data
 
 FORMAT = "lrmoe-compare/1"
 STATUSES = ("identical", "agrees", "differs", "unjudged", "missing")
@@ -177,8 +177,10 @@ def _environment(res: Results) -> dict:
 def compare(user_dir, reference_dir) -> dict:
     """Every T1/T2 cell of ``user_dir`` against ``reference_dir`` and the paper (module docstring);
     a JSON-ready dict. Raises what :meth:`paper_figures.Results.load` raises (a corrupt manifest)
-    and :class:`paper_figures.AmbiguousRuns`."""
+    and :class:`paper_figures.AmbiguousRuns` (or its :class:`~paper_figures.IncomparableRuns`)."""
     user, ref = Results.load(user_dir), Results.load(reference_dir)
+    for res in (user, ref):
+        check_comparable(res)
     paper = paper_numbers()
     cells = _t1_cells(user, ref, paper) + _t2_cells(user, ref, paper)
     eu, er = _environment(user), _environment(ref)
