@@ -58,6 +58,24 @@ def train_one(spec: dict, out_dir: str, progress: bool) -> dict:
             "wall_s": time.perf_counter() - t0}
 
 
+_WORKER_STOPPED = False  # in a pool worker: a run of this process was stopped by Ctrl-C or SIGTERM
+
+
+def _pool_train(spec: dict, out_dir: str) -> dict:
+    """Pool worker entry: :func:`train_one`, except that once a run of this worker was stopped by
+    a signal, the runs queued behind it are not started (the executor hands a worker its next
+    queued run before the parent can cancel it, and that run would train unsignalled until the
+    grace period ends)."""
+    global _WORKER_STOPPED
+    if _WORKER_STOPPED:
+        raise KeyboardInterrupt("not started: the pool is stopping")
+    try:
+        return train_one(spec, out_dir, False)
+    except KeyboardInterrupt:
+        _WORKER_STOPPED = True
+        raise
+
+
 def prepare_data(runs: list[RunSpec]) -> None:
     """Tokenise and pack each distinct data config once, before any worker starts."""
     from lrmoe.train import load_data
@@ -138,7 +156,7 @@ def _run_pool(specs, jobs: int, report, failed) -> None:
         else None
     ex = ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"))
     try:
-        futs = {ex.submit(train_one, spec, d, False): spec["name"] for spec, d in specs}
+        futs = {ex.submit(_pool_train, spec, d): spec["name"] for spec, d in specs}
         for f in as_completed(futs):
             try:
                 report(f.result())

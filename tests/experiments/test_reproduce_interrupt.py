@@ -31,11 +31,11 @@ DRIVER = textwrap.dedent("""
     smoke = PRESETS["smoke"]
     base = dict(smoke.base, steps=100_000, checkpoint_interval=100_000, eval_interval=0)
     jobs = int(sys.argv[2])
-    p = dataclasses.replace(smoke, name="interrupt", base=base, families=("qwen3",), e1_drops=(0.0, 0.1),
+    p = dataclasses.replace(smoke, name="interrupt", base=base, families=("qwen3",), e1_drops=(0.0, 0.1, 0.2),
                             e2_scorers=(), e2_seeds=(), jobs=jobs)
     sys.exit(reproduce(p, sys.argv[1], jobs=jobs, figures=False, progress=False))
 """)
-RUNS = ("qwen3-C00-s0", "qwen3-C10-lrm-s0")
+RUNS = ("qwen3-C00-s0", "qwen3-C10-lrm-s0", "qwen3-C20-lrm-s0")  # the last one queued
 STOP_TIMEOUT_S = 300  # against hangs only: one step and a checkpoint take far less
 SIGINT_AS = pytest.mark.parametrize("sigint", [signal.SIG_DFL, signal.SIG_IGN], ids=["sigint-default", "sigint-ignored"])
 
@@ -109,13 +109,16 @@ def _assert_checkpointed_at_its_step(run_dir):
 @SIGINT_AS
 def test_sigterm_lets_parallel_workers_checkpoint_and_exit(tmp_path, sigint):
     """With SIGINT ignored, the workers inherit the ignore: the parent used to forward SIGTERM to
-    them as SIGINT, which they ignored; they trained on until the grace period ended."""
-    rc, log, left, out = _sigterm_once_training(tmp_path, jobs=2, training=list(RUNS), sigint=sigint)
+    them as SIGINT, which they ignored; they trained on until the grace period ended.
+    The third run is queued: the executor hands it to the first worker that stops, which used to
+    train it, unsignalled, until the grace period ended (here: never)."""
+    rc, log, left, out = _sigterm_once_training(tmp_path, jobs=2, training=list(RUNS[:2]), sigint=sigint)
     assert rc == 130, log
     assert "interrupted; rerun the same command to resume" in log
     assert not left, "processes left in the group:\n" + "\n".join(left)
-    for r in RUNS:
+    for r in RUNS[:2]:
         _assert_checkpointed_at_its_step(out / r)
+    assert not (out / RUNS[2] / "metrics.jsonl").exists()  # the queued run never started
 
 
 @SIGINT_AS
