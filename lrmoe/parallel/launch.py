@@ -39,6 +39,15 @@ class DistEnv:
         return self.rank == 0
 
 
+def rank_seed(seed: int, rank: int) -> int:
+    """Seed of rank ``rank``'s random-scorer generator: ``seed`` on rank 0, a different one per rank
+    (every rank seeding the same generator would give pairs at the same local position the same
+    draw on every rank)."""
+    import numpy as np
+
+    return int(np.random.SeedSequence([int(seed), int(rank)]).generate_state(1, np.uint32)[0]) if rank else int(seed)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

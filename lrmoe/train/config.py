@@ -71,6 +71,7 @@ class TrainConfig:
     ep_options: dict = field(default_factory=dict)
     load_concurrency: int = 1
     record_trace: str | None = None
+    virtual_ep: int = 1
 
     FIELD_HELP = {
         "model": "model preset (lrmoe.hf.MODEL_PRESETS)",
@@ -115,9 +116,13 @@ class TrainConfig:
         "ep_budget_mib": "per-rank memory budget of each MoE layer for the placement planner, in MiB (default: unlimited)",
         "ep_options": "placement planner option KEY=VALUE (JSON values; repeatable), e.g. min_tokens=64, "
                       "capacity_factor=1.0, slots_per_rank=4, fallback=split",
-        "record_trace": "with ep > 1: write the routing trace to PATH (lrmoe.sim.trace format, docs/simulator.md): "
-                        "per micro-batch and MoE layer, the [ranks, experts] pair counts the runtime all-gathers; "
-                        "written at every checkpoint and at the end, extended on resume (default: none)",
+        "virtual_ep": "train in this one process exactly as `torchrun --nproc-per-node G ... --ep G` would: every "
+                      "micro-batch split into G source ranks, the placement planner, forward drops and "
+                      "per-(source, instance) backward quotas of the EP runtime (lrmoe.train.virtual_ep; 1: off)",
+        "record_trace": "with ep > 1 or virtual_ep > 1: write the routing trace to PATH (lrmoe.sim.trace format, "
+                        "docs/simulator.md): per micro-batch and MoE layer, the [ranks, experts] pair counts the "
+                        "runtime all-gathers; written at every checkpoint and at the end, extended on resume (default: "
+                        "none; a virtual-EP run writes routing_trace.npz in its run folder)",
         "load_concurrency": "with ep > 1: how many ranks of a node build or load the full model at the same "
                             "time before sharding its experts (each holds a full fp32 copy meanwhile, about "
                             "4 bytes x parameters; 0: all at once)",
@@ -240,13 +245,22 @@ class TrainConfig:
                              f"got {self.load_concurrency!r}")
         if self.record_trace is not None and (not isinstance(self.record_trace, str) or not self.record_trace):
             raise ValueError(f"record_trace must be a file path or None, got {self.record_trace!r}")
-        if self.ep == 1:
+        if isinstance(self.virtual_ep, bool) or not isinstance(self.virtual_ep, int) or self.virtual_ep < 1:
+            raise ValueError(f"virtual_ep must be an integer >= 1 (1: off), got {self.virtual_ep!r}")
+        if self.virtual_ep > 1 and self.ep > 1:
+            raise ValueError(f"virtual_ep ({self.virtual_ep}) and ep ({self.ep}) exclude each other: virtual_ep "
+                             f"trains one process as G ranks, ep shards over torchrun's processes; set one")
+        if self.virtual_ep > 1 and self.micro_batch % self.virtual_ep:
+            raise ValueError(f"micro_batch ({self.micro_batch}) must be divisible by virtual_ep ({self.virtual_ep}): "
+                             f"every micro-batch is split evenly over the virtual ranks, as over real ones")
+        if self.ep == 1 and self.virtual_ep == 1:
             ignored = [f for f, v, d in (("placement", self.placement, "lrmoe"), ("ep_budget_mib", self.ep_budget_mib, None),
                                          ("ep_options", self.ep_options, {}), ("record_trace", self.record_trace, None))
                        if v != d]
             if ignored:
                 raise ValueError(f"{', '.join(ignored)} {'applies' if len(ignored) == 1 else 'apply'} only to expert "
-                                 "parallelism (ep > 1) and would be ignored with ep 1: set --ep N or leave "
+                                 "parallelism (ep > 1 or virtual_ep > 1) and would be ignored with ep 1: set --ep N "
+                                 "(or --virtual-ep N) or leave "
                                  f"{'it' if len(ignored) == 1 else 'them'} at the default")
         if self.micro_batch % self.ep:
             raise ValueError(f"micro_batch ({self.micro_batch}) must be divisible by ep ({self.ep}): every "

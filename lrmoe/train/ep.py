@@ -42,12 +42,11 @@ import math
 import os
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..hf import parallel as ep_hf
-from ..parallel.launch import host_barrier
+from ..parallel.launch import host_barrier, rank_seed  # rank_seed: re-exported (lrmoe.train.ep.rank_seed)
 from ..parallel.runtime import ExpertParallel
 from . import checkpoint
 from .config import resolve_device
@@ -56,13 +55,6 @@ from .runner import load_data
 # Keys of BackwardRecord.comm_bytes (lrmoe.parallel.runtime), in the order they are logged.
 COMM_KEYS = ("fwd_weights", "fwd_dispatch", "fwd_combine", "fwd_phi", "bwd_grad_rows", "bwd_grad_index", "bwd_dx",
              "bwd_weight_grads")
-
-
-def rank_seed(seed: int, rank: int) -> int:
-    """Seed of rank ``rank``'s random-scorer generator: ``seed`` on rank 0, a different one per rank
-    (every rank seeding the same generator would give pairs at the same local position the same
-    draw on every rank)."""
-    return int(np.random.SeedSequence([int(seed), int(rank)]).generate_state(1, np.uint32)[0]) if rank else int(seed)
 
 
 def world_size_from_env() -> int:
@@ -83,6 +75,9 @@ def torchrun_hint(ep: int) -> str:
 def check_launch(cfg, world: int | None = None) -> None:
     """ValueError unless the world size fits ``cfg`` (ep divides it, it divides micro_batch)."""
     world = world_size_from_env() if world is None else world
+    if getattr(cfg, "virtual_ep", 1) > 1 and world > 1:
+        raise ValueError(f"virtual_ep={cfg.virtual_ep} trains in one process, but this is one of {world} (torchrun); "
+                         f"launch it without torchrun, or use --ep {cfg.virtual_ep} for real ranks")
     if cfg.ep > 1 and world == 1:
         raise ValueError(f"ep={cfg.ep} needs {cfg.ep} processes (or a multiple): launch with `{torchrun_hint(cfg.ep)}`")
     if world % cfg.ep:
@@ -222,14 +217,9 @@ class DistributedRunner:
             extra = {"comm_bytes": comm_sum, "comm_bytes_total": sum(comm_sum.values()), "moe_plan_s": float(plan_s)}
         return loss_total, kept, out_stats, nonfinite, extra
 
-    def routing_counts(self) -> np.ndarray:
-        """[MoE layers, G, E]: the pair counts every layer all-gathered in its latest call (a split
-        micro-batch: its pieces' counts summed), the same on every rank."""
-        out = []
-        for ep in self.eps:
-            plans = ep.last_plan if isinstance(ep.last_plan, list) else [ep.last_plan]
-            out.append(sum(np.asarray(p.demand_GE, dtype=np.int64) for p in plans))
-        return np.stack(out)
+    def last_plans(self) -> list[list]:
+        """Per MoE layer, the plans of its latest call (the pieces of a split micro-batch), the same on every rank."""
+        return [ep.last_plan if isinstance(ep.last_plan, list) else [ep.last_plan] for ep in self.eps]
 
     def clip_(self, model, params, clip: float) -> float:
         """Gradient sync (dense: data parallel; experts: EP) then global-norm clipping; the norm."""

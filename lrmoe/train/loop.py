@@ -10,6 +10,10 @@ same global batch (lrmoe.train.ep; docs/expert_parallel.md, "Training with torch
 
     torchrun --nproc-per-node 8 -m lrmoe.cli train --out runs/x --ep 8 --placement lrmoe --micro-batch 32 ...
 
+or, with ``virtual_ep = G``, in one process exactly as G such ranks would (lrmoe.train.virtual_ep)::
+
+    lrmoe train --out runs/x --virtual-ep 8 --placement symi --micro-batch 32 ...
+
 AdamW with linear warm-up and cosine decay to ``min_lr_ratio * lr``,
 global-norm gradient clipping, gradient accumulation (``global_batch = micro_batch * grad_accum``
 rows per optimizer step; under torchrun every micro-batch is split evenly over the ranks), bf16
@@ -62,6 +66,7 @@ from . import checkpoint
 from .config import TrainConfig, config_differences
 from .evaluate import evaluate, label_tokens, token_loss
 from .metrics import METRIC_KEYS, MetricsLog, summary_of_metrics
+from .plan_log import PlanLog, routing_counts
 from .runner import LocalRunner
 from .schedule import BatchStream, lr_factor
 from .timer import MoETimer
@@ -86,6 +91,10 @@ def make_runner(cfg: TrainConfig):
     """:class:`LocalRunner`, or the distributed one when ``cfg.ep > 1`` or under torchrun."""
     from . import ep as train_ep
 
+    if cfg.virtual_ep > 1:
+        from .virtual_ep import VirtualRunner
+
+        return VirtualRunner(cfg)
     return train_ep.DistributedRunner(cfg) if train_ep.wanted(cfg) else LocalRunner(cfg)
 
 
@@ -257,11 +266,14 @@ class Trainer:
         self.resumed_from = []
         self._resume_or_start()
         self.trace = None
-        if cfg.record_trace:
+        if cfg.record_trace or cfg.virtual_ep > 1:  # every virtual-EP run records its routing
             from .trace_record import TraceRecorder
+            from .virtual_ep import TRACE_FILE
 
-            self.trace = TraceRecorder(cfg.record_trace, cfg, main=self.main, steps_done=self.step_done,
-                                       tokens_per_rank=cfg.micro_batch // cfg.ep * cfg.seq_len)
+            G = max(cfg.ep, cfg.virtual_ep)
+            self.trace = TraceRecorder(cfg.record_trace or out / TRACE_FILE, cfg, main=self.main,
+                                       steps_done=self.step_done, tokens_per_rank=cfg.micro_batch // G * cfg.seq_len,
+                                       own_file=not cfg.record_trace)
         self.base = self._describe()
 
     # ------------------------------------------------------------------ set-up
@@ -371,6 +383,7 @@ class Trainer:
         timer.enabled = True
         loss_total = 0.0
         routing = _Routing(self.n_moe, self.sampled)
+        plan_log = PlanLog()
         for b in runner.local_batches(batches):  # EP: this rank's rows of every micro-batch
             b = {k: v.to(device, non_blocking=True) for k, v in b.items()}
             with self.autocast():
@@ -381,8 +394,11 @@ class Trainer:
             runner.backward(loss)
             loss_total += float(loss.detach())
             routing.add(hf.backward_records(model))
-            if self.trace is not None:
-                self.trace.add(runner.routing_counts(), self.model.config.num_experts_per_tok)
+            plans = runner.last_plans()  # EP and virtual EP: every layer's plans of this micro-batch
+            if plans:
+                plan_log.add(plans)
+                if self.trace is not None:
+                    self.trace.add(routing_counts(plans), self.model.config.num_experts_per_tok)
             del logits, loss, loss_sum
         timer.enabled = False
         # EP: sums over the ranks (the per-rank records hold this rank's pairs only)
@@ -401,6 +417,8 @@ class Trainer:
         self.timings["train_s"] += dt
         self.timings["moe_fwd_s"] += fwd_s
         self.timings["moe_bwd_s"] += bwd_s
+        if plan_log.layers:
+            extra["plans"] = plan_log.row()
         if "moe_plan_s" in extra:  # EP runs: the step's planning over all MoE layers (part of moe_fwd_s)
             self.timings["moe_plan_s"] = self.timings.get("moe_plan_s", 0.0) + extra["moe_plan_s"]
         fracs = [k / d for k, d in kept if d]

@@ -26,8 +26,12 @@ Definitions (see docs/reproduce.md):
   step, summed over all MoE layers, micro-batches and split pieces (``ExpertParallel.plan``: the
   planner after the demand all-gather, before the dispatch); the slowest rank's, like the times
   above. It is a part of ``moe_fwd_s`` (planning runs inside the experts function's forward).
-  Single-process and ``ep=1`` runs have no planner and leave the key out (not 0), like ``comm_bytes``.
+  Single-process and ``ep=1`` runs have no planner and leave the key out (not 0), like ``comm_bytes``;
+  virtual-EP rows (``virtual_ep > 1``) have it (the planning of all G virtual ranks' layers, done once).
   ``summary.json``'s ``timings.moe_plan_s`` is the run's total (EP runs only).
+* ``plans`` (expert-parallel and virtual-EP rows): per MoE layer, the step's placement plans summed
+  (calls, routed, forward-dropped and backward-kept pairs, replicas, planned per-rank memory,
+  splits; :mod:`lrmoe.train.plan_log`).
 * ``kept_fraction``: kept / routed pairs in the expert backward, mean over MoE layers (1.0 at C0).
 * ``tokens_per_s``: non-padding input tokens of the step / wall time of the step.
 """
@@ -44,7 +48,9 @@ from ..run_folder import read_metrics
 METRIC_KEYS = ("step", "epoch", "loss", "ppl", "lr", "grad_norm", "tokens", "label_tokens", "tokens_per_s",
                "step_time_s", "moe_fwd_s", "moe_bwd_s", "kept_fraction", "nonfinite", "layers", "elapsed_s")
 #: Keys that expert-parallel rows (``ep > 1``) add to :data:`METRIC_KEYS` (lrmoe.train.ep).
-EP_METRIC_KEYS = ("comm_bytes", "comm_bytes_total", "moe_plan_s")
+EP_METRIC_KEYS = ("comm_bytes", "comm_bytes_total", "moe_plan_s", "plans")
+#: Keys that virtual-EP rows (``virtual_ep > 1``, lrmoe.train.virtual_ep) add: no bytes cross a network.
+VIRTUAL_EP_METRIC_KEYS = ("moe_plan_s", "plans")
 
 
 def _lines(rows) -> str:

@@ -54,6 +54,11 @@ class LocalRunner:
     def backward(self, loss):
         loss.backward()
 
+    @staticmethod
+    def last_plans() -> list[list]:
+        """Per MoE layer, the placement plans of its latest call (none: no planner here)."""
+        return []
+
     def reduce_step(self, loss_total, kept, layer_stats, nonfinite, comm):
         return loss_total, kept, layer_stats, nonfinite, {}
 

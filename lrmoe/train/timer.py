@@ -4,7 +4,8 @@ Forward: from entering to leaving each experts module (module hooks). Backward: 
 autograd starts the module's output node to the moment the experts function's own node has
 produced its input gradients (node hooks). The experts node is found by identity: the node
 whose autograd Function class is one of :func:`experts_functions` (the selective experts
-function of :mod:`lrmoe.experts`, and the expert-parallel one of :mod:`lrmoe.parallel.function`),
+function of :mod:`lrmoe.experts`, the expert-parallel one of :mod:`lrmoe.parallel.function` and the
+virtual-EP one of :mod:`lrmoe.parallel.virtual`),
 never by a class-name match. CPU: ``time.perf_counter``; CUDA: CUDA events, summed after the
 step's synchronisation.
 """
@@ -16,11 +17,12 @@ import torch
 
 from ..experts import SelectiveExperts
 from ..parallel.function import EPExperts
+from ..parallel.virtual import VirtualEPExperts
 
 
 def experts_functions() -> tuple[type, ...]:
     """The autograd Function classes whose nodes are "the experts' backward"."""
-    return SelectiveExperts, EPExperts
+    return SelectiveExperts, EPExperts, VirtualEPExperts
 
 
 def node_function(node) -> type | None:

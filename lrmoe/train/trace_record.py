@@ -3,10 +3,12 @@ simulator trace (:mod:`lrmoe.sim.trace`), so a user can replay their own routing
 (``lrmoe simulate --trace PATH``).
 
 One trace step per micro-batch: for every MoE layer the [ranks, experts] pair counts of its latest
-call (:meth:`lrmoe.train.ep.DistributedRunner.routing_counts`). Rank 0 writes the file at every
-checkpoint and at the end (atomically). A resumed run keeps the micro-batches its checkpoint
-covers and extends them; a trace shorter than that (written by another run) is refused, and a
-fresh run refuses to overwrite an existing file."""
+call (:func:`lrmoe.train.plan_log.routing_counts` of the runner's ``last_plans``). Rank 0 writes
+the file at every checkpoint and at the end (atomically). A resumed run keeps the micro-batches its
+checkpoint covers and extends them; a trace shorter than that (written by another run) is refused,
+and a fresh run refuses to overwrite an existing file, unless it is the run folder's own trace
+(``own_file``: a virtual-EP run's default ``routing_trace.npz``, rewritten by a restart from step 0).
+A virtual-EP run's meta says ``"virtual": true`` and its ``ep`` is the virtual G."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,14 +20,16 @@ from ..sim.trace import Trace, load_trace, save_trace
 
 
 class TraceRecorder:
-    def __init__(self, path, cfg, *, main: bool, steps_done: int, tokens_per_rank: int):
+    def __init__(self, path, cfg, *, main: bool, steps_done: int, tokens_per_rank: int, own_file: bool = False):
         self.path, self.main = Path(path), main
+        virtual = getattr(cfg, "virtual_ep", 1) > 1
         self.meta = {"source": "runtime", "top_k": None, "tokens_per_rank": tokens_per_rank, "model": cfg.model,
-                     "placement": cfg.placement, "ep": cfg.ep, "drop_ratio": cfg.drop_ratio, "seed": cfg.seed,
-                     "grad_accum": cfg.grad_accum, "git_rev": git_revision(), "unit": "micro-batch"}
+                     "placement": cfg.placement, "ep": cfg.virtual_ep if virtual else cfg.ep,
+                     "drop_ratio": cfg.drop_ratio, "seed": cfg.seed, "grad_accum": cfg.grad_accum,
+                     "git_rev": git_revision(), "unit": "micro-batch", **({"virtual": True} if virtual else {})}
         self.counts: list[np.ndarray] = []
         done = steps_done * cfg.grad_accum
-        if self.path.exists():
+        if self.path.exists() and not (own_file and steps_done == 0):
             if steps_done == 0:
                 raise ValueError(f"record_trace {self.path} exists and this run starts at step 0: remove it or give "
                                  f"another path (a resumed run extends its own trace)")
