@@ -3,6 +3,10 @@
   E1 convergence: drop 0 / 0.1 / 0.2 / 0.3 (C0-C30), LRM scorer, waterfill quotas -> T1, F2, F1.
   E2 scorer ablation at C20: lrm, grad_norm, abs_grad, random, on both families, several seeds,
      each seed paired with its own C0 run -> T2.
+  E3 time to target: every method (fixed ownership and UltraEP dropless, SYMI at capacity factor
+     1.0, LRMoE at C20) trained with its expert-parallel semantics (``virtual_ep`` ranks in one
+     process, or ``ep`` ranks under torchrun), on models with the paper's 128 experts and top-8
+     routing; each run records its routing trace -> T3, F4 (paper_figures.time_to_target).
 
 Runs shared by both (C0 and C20-lrm of seed 0) run once, tagged with both experiments."""
 from __future__ import annotations
@@ -13,6 +17,8 @@ from lrmoe.runs import RunSpec
 
 DROPS_E1 = (0.0, 0.1, 0.2, 0.3)
 SCORERS_E2 = ("lrm", "grad_norm", "abs_grad", "random")
+#: E3's methods: (placement, drop ratio); the placements' own defaults (SYMI: capacity factor 1.0).
+METHODS_E3 = (("fixed", 0.0), ("symi", 0.0), ("ultraep", 0.0), ("lrmoe", 0.2))
 FAMILIES = ("qwen3", "glm4")
 
 
@@ -21,8 +27,31 @@ def run_name(family: str, drop: float, scorer: str, seed: int) -> str:
     return f"{family}-C{round(drop * 100):02d}" + (f"-{scorer}" if drop > 0 else "") + f"-s{seed}"
 
 
+def e3_run_name(family: str, placement: str, seed: int) -> str:
+    """``qwen3-E3-symi-s0``."""
+    return f"{family}-E3-{placement}-s{seed}"
+
+
+def e3_runs(p) -> list[RunSpec]:
+    """E3's runs of preset ``p`` (none when ``p.e3`` is empty): per family and seed, one run per
+    method of :data:`METHODS_E3`, with ``p.e3``'s settings (``ep`` or ``virtual_ep``, ``steps``,
+    ``seeds``, ``model_overrides`` per family, ``config``: further TrainConfig fields)."""
+    e3 = dict(p.e3 or {})
+    if not e3:
+        return []
+    out = []
+    for fam in p.families:
+        for seed in e3.get("seeds", (0,)):
+            for placement, drop in METHODS_E3:
+                cfg = dict(p.base, model=p.models[fam], drop_ratio=drop, scorer="lrm", seed=seed, placement=placement,
+                           model_overrides=dict(e3.get("model_overrides", {}).get(fam, {})),
+                           **p.family_config.get(fam, {}), **e3.get("config", {}))
+                out.append(RunSpec(e3_run_name(fam, placement, seed), fam, ("E3",), cfg))
+    return out
+
+
 def preset_runs(p) -> list[RunSpec]:
-    """Every run of preset ``p`` (a :class:`~lrmoe.reproduce.presets.Preset`): E1 then E2, per family."""
+    """Every run of preset ``p`` (a :class:`~lrmoe.reproduce.presets.Preset`): E1 then E2, per family, then E3."""
     specs: dict[str, RunSpec] = {}
 
     def add(family, drop, scorer, seed, exp):
@@ -44,4 +73,4 @@ def preset_runs(p) -> list[RunSpec]:
             add(fam, 0.0, "lrm", seed, "E2")
             for sc in p.e2_scorers:
                 add(fam, p.e2_drop, sc, seed, "E2")
-    return list(specs.values())
+    return list(specs.values()) + e3_runs(p)
