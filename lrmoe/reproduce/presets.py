@@ -34,6 +34,7 @@ class Preset:
     launcher: str = "local"  # "local" (runs in this process / a process pool) or "torchrun" (one launch per run)
     nproc: int = 1  # torchrun: processes per run (one node; one GPU each)
     hardware: str = ""
+    e3: dict = field(default_factory=dict)  # E3 (time to target) settings; {}: no E3 runs (experiments.e3_runs)
 
     # what the driver calls it (class attributes, not fields: the manifest holds the fields only)
     prog = "lrmoe reproduce"
@@ -51,7 +52,8 @@ class Preset:
     def run_line(self, r: RunSpec) -> str:
         """What the dry run lists of a run, after its name, experiments and state."""
         c = r.config
-        return f"model={c['model']} drop={c['drop_ratio']} scorer={c['scorer']} seed={c['seed']} steps={c['steps']}"
+        ep = f" placement={c['placement']} virtual_ep={c['virtual_ep']}" if c.get("virtual_ep", 1) > 1 else ""
+        return f"model={c['model']} drop={c['drop_ratio']} scorer={c['scorer']} seed={c['seed']} steps={c['steps']}{ep}"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -84,7 +86,16 @@ PRESETS: dict[str, Preset] = {
                "of a 16-record Alpaca sample (alpaca_en_demo; 14 train / 2 held out), E1 + E2 with 3 seeds",
         {"qwen3": "qwen3-moe-small", "glm4": "glm4-moe-small"}, _CPU_BASE, "alpaca/alpaca_en_demo.json",
         e2_seeds=(0, 1, 2), jobs=2, hardware="2 CPU cores",
-        cost="measured: see docs/reproduce.md (target <= 30 minutes on 2 CPU cores, 34 runs)"),
+        # E3: the same small models with the paper's 128 experts and top-8 routing (so that their traces
+        # replay at the paper's dimensions), moe_intermediate 32 (top-8 x 32 = the E1 models' top-4 x 64
+        # active expert width), 8 virtual EP ranks as the paper's EP8 (1 row of 256 tokens per rank)
+        e3=dict(seeds=(0,), config=dict(virtual_ep=8, steps=100, warmup_steps=10, eval_interval=50,
+                                        checkpoint_interval=50),
+                model_overrides={"qwen3": {"num_local_experts": 128, "num_experts_per_tok": 8,
+                                           "moe_intermediate_size": 32},
+                                 "glm4": {"n_routed_experts": 128, "num_experts_per_tok": 8,
+                                          "moe_intermediate_size": 32}}),
+        cost="measured: see docs/reproduce.md (target <= 30 minutes on 2 CPU cores, 42 runs)"),
     "gpu1": Preset(
         "gpu1", "one Hopper GPU: the paper's Qwen3-30B-A3B and GLM-4.5-Air layer dimensions (128 experts, top-8) "
                 "with fewer layers, bf16 autocast, full Alpaca, seq 8192",

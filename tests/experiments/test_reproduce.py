@@ -33,7 +33,10 @@ def smoke(tmp_path_factory):
 def test_presets_are_data():
     cpu = PRESETS["cpu"].runs()
     names = [r.name for r in cpu]
-    assert len(names) == len(set(names)) == 34
+    assert len(names) == len(set(names)) == 42  # E1 + E2: 34; E3: 4 methods x 2 families
+    e3 = [r for r in cpu if "E3" in r.experiments]
+    assert len(e3) == 8 and all(r.experiments == ("E3",) and r.config["virtual_ep"] == 8 for r in e3)
+    assert sorted(r.config["placement"] for r in e3 if r.family == "qwen3") == ["fixed", "lrmoe", "symi", "ultraep"]
     for fam in ("qwen3", "glm4"):
         e1 = [r for r in cpu if r.family == fam and "E1" in r.experiments]
         assert sorted(r.config["drop_ratio"] for r in e1) == [0.0, 0.1, 0.2, 0.3]
