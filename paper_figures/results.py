@@ -197,6 +197,8 @@ class Results:
         for r in self.runs.values():
             if named and r.name not in named:
                 continue
+            if r.experiments == ("E3",):  # E3's runs (time to target, other models) fill no T1/T2 cell
+                continue
             if r.family != family or abs(r.drop - drop) > 1e-9 or r.seed != seed:
                 continue
             if drop > 0 and scorer is not None and r.config.get("scorer") != scorer:
