@@ -9,8 +9,8 @@ Expert parallelism for the same models: :mod:`lrmoe.hf.parallel`.
 """
 from .integration import (IMPLEMENTATION, MODEL_PRESETS, POLICY_ATTR, RECORD_ATTR, ModelPreset, activation_of,
                           backward_records, build_model, check_supported, experts_modules, get_policies,
-                          load_pretrained, lrmoe_experts_forward, model_config, register, set_policy)
+                          load_pretrained, lrmoe_experts_forward, model_config, register, runs_lrmoe, set_policy)
 
 __all__ = ["IMPLEMENTATION", "MODEL_PRESETS", "POLICY_ATTR", "RECORD_ATTR", "ModelPreset", "activation_of",
            "backward_records", "build_model", "check_supported", "experts_modules", "get_policies",
-           "load_pretrained", "lrmoe_experts_forward", "model_config", "register", "set_policy"]
+           "load_pretrained", "lrmoe_experts_forward", "model_config", "register", "runs_lrmoe", "set_policy"]

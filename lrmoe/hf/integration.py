@@ -120,9 +120,33 @@ def get_policies(model: nn.Module) -> list[BackwardPolicy]:
     return [getattr(m, POLICY_ATTR, None) or BackwardPolicy() for m in experts_modules(model)]
 
 
+def runs_lrmoe(experts: nn.Module) -> bool:
+    """Whether a transformers experts module dispatches to an LRMoE forward now: its config's experts
+    implementation is registered with a function of this package (``lrmoe``, or the expert-parallel
+    forwards), not one of transformers' own (``eager``, ``grouped_mm``, ...), or its forward was
+    replaced by one of this package (``lrmoe.hf.parallel``, the virtual EP). A module without a
+    config (not dispatched by transformers) counts as LRMoE."""
+    own = experts.__dict__.get("forward")
+    if own is not None:
+        return _from_lrmoe(getattr(own, "__func__", own))
+    impl = getattr(getattr(experts, "config", None), "_experts_implementation", IMPLEMENTATION)
+    if impl in (None, "eager"):
+        return False
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    fn = ALL_EXPERTS_FUNCTIONS.get(impl) if impl in ALL_EXPERTS_FUNCTIONS else None
+    return fn is not None and _from_lrmoe(fn)
+
+
+def _from_lrmoe(fn) -> bool:
+    return (getattr(fn, "__module__", None) or "").split(".")[0] == "lrmoe"
+
+
 def backward_records(model: nn.Module) -> list[BackwardRecord | None]:
-    """The BackwardRecord of each MoE layer from the latest backward (None for a layer not run yet)."""
-    return [getattr(m, RECORD_ATTR, None) for m in experts_modules(model)]
+    """The BackwardRecord of each MoE layer from the latest backward (None for a layer not run yet, and
+    for one whose experts implementation is not LRMoE now, e.g. after
+    ``model.set_experts_implementation("grouped_mm")``: no record left over from an earlier one)."""
+    return [getattr(m, RECORD_ATTR, None) if runs_lrmoe(m) else None for m in experts_modules(model)]
 
 
 # --------------------------------------------------------------------------- model presets
