@@ -120,6 +120,8 @@ def _generate(model, mode, ids):
     if mode == "continue-from-cache":
         first = model.generate(ids, do_sample=False, return_dict_in_generate=True, **{**kw, "max_new_tokens": 3})
         return model.generate(first.sequences, past_key_values=first.past_key_values, do_sample=False, **kw)
+    if mode == "inputs-embeds":
+        return model.generate(inputs_embeds=model.get_input_embeddings()(ids), do_sample=False, **kw)
     assert mode == "continuous-batching"  # transformers' paged cache (cache_implementation="paged")
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -130,7 +132,7 @@ def _generate(model, mode, ids):
 
 
 @pytest.mark.parametrize("mode", ["sample", "beam-search", "prompt-lookup", "left-padded", "continue-from-cache",
-                                  "continuous-batching"])
+                                  "inputs-embeds", "continuous-batching"])
 @pytest.mark.parametrize("preset", PRESETS)
 def test_generation_modes_match_stock(preset, mode):
     """With a policy that drops half the pairs from the backward (it changes no forward): the same
@@ -139,7 +141,7 @@ def test_generation_modes_match_stock(preset, mode):
     ids = ids_of((2, 6), 2)
     ids[:, 3:5] = ids[:, :2]  # a repeated n-gram: prompt lookup finds candidates
     out_ref, out = _generate(ref, mode, ids), _generate(ours, mode, ids)
-    assert out.shape == out_ref.shape and out.shape[-1] >= 5
+    assert out.shape == out_ref.shape and out.shape[-1] >= 5 and out.shape[0] >= 1
     assert torch.equal(out, out_ref)
     if mode == "continuous-batching":  # the paged cache gives greedy decoding's tokens
         assert torch.equal(out, ref.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)[:, 6:])
@@ -278,3 +280,32 @@ def test_model_tester_checks_match_stock(preset, head):
         a = base(input_ids=ids, attention_mask=batch["attention_mask"]).last_hidden_state
         b = base(inputs_embeds=embeds, attention_mask=batch["attention_mask"]).last_hidden_state
     torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_batching_equivalence_and_attention_implementations(preset, attn):
+    """A batch gives each row's own result (rows run alone: same logits within 1e-5), with either
+    attention implementation, equal to stock's."""
+    ref, ours = _twin_models(preset, attn_implementation=attn, **SMALL)
+    assert ours.config._attn_implementation == attn
+    ids = ids_of((3, 6), 6)
+    with torch.no_grad():
+        full, full_ref = ours(input_ids=ids).logits, ref(input_ids=ids).logits
+        rows = torch.cat([ours(input_ids=ids[i:i + 1]).logits for i in range(3)])
+    torch.testing.assert_close(full, full_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(rows, full, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_export_matches_eager():
+    """torch.export of the lrmoe model (inference, no cache): the exported program's logits equal the
+    eager model's and stock's."""
+    ref, ours = _twin_models("qwen3-moe-tiny", **SMALL)
+    ours.eval()
+    ids = ids_of((2, 6), 7)
+    program = torch.export.export(ours, (), {"input_ids": ids, "use_cache": False})
+    with torch.no_grad():
+        exported = program.module()(input_ids=ids, use_cache=False).logits
+        eager, stock = ours(input_ids=ids, use_cache=False).logits, ref(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(exported, eager, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(exported, stock, rtol=1e-5, atol=1e-6)
