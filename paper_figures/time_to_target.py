@@ -1,0 +1,318 @@
+"""T3 (time to fixed loss targets per method) and F4 (loss against cumulative MoE-layer time), from E3.
+
+E3 trains every method with its expert-parallel semantics (``lrmoe train --virtual-ep 8`` at cpu
+scale, :mod:`lrmoe.reproduce.experiments`); each run logs its per-step MoE-layer time and writes
+its routing trace. Per model family:
+
+* **targets**: the training loss the fixed-ownership run (C0: dropless, full backward) reaches at
+  :data:`TARGET_FRACTIONS` of its steps, read off its smoothed curve;
+* **smoothed curve**: the trailing mean of the per-step training loss over
+  ``max(3, ceil(SMOOTH_FRACTION * steps))`` steps (one step's loss is one batch's; the smoothing
+  keeps a lucky batch from counting as reaching a target). A method reaches a target at the first
+  step whose smoothed loss is at or below it;
+* **time (a), measured**: the run's cumulative ``moe_fwd_s + moe_bwd_s`` to that step: one CPU
+  process executing the experts of all 8 virtual ranks (planning and layouts included), on the
+  machine the run names; not a cluster's time;
+* **time (b), simulated**: the run's own routing trace, scaled to the paper's tokens per rank
+  (:meth:`lrmoe.sim.trace.Trace.scaled`; regrouped to the paper's 8 ranks if need be), replayed
+  step by step through the method's planner and the cost model (:func:`simulated_step_seconds`)
+  with the paper's model dimensions and cluster (:mod:`lrmoe.sim.scenarios`, ``paper-qwen3`` /
+  ``paper-glm``: EP8, one NVLink node, 32,768 tokens per GPU, the fixed-1x per-layer budget taken
+  over the family's four traces) on the ``h100-sxm`` hardware model; the run's MoE layers stand for
+  the paper model's (per-step time x paper layers / run layers). Planning is charged as the
+  simulator charges it (median host time per plan).
+
+Reductions are ``100 * (1 - time_method / time_symi)`` at the same target. The simulated per-step
+times are cached under ``<results>/sim/e3/<run>.json`` (keyed by the trace's checksum and the
+settings), so tables are remade without replaying.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from lrmoe.files import read_json, write_json
+
+from .figures import pyplot, save_figure
+from .results import FAMILY_NAMES, Results, Run
+from .tables import _md_table, _tex_table, _write
+
+TARGET_FRACTIONS = (0.5, 0.75, 0.9)
+SMOOTH_FRACTION = 0.05
+METHOD_ORDER = ("fixed", "symi", "ultraep", "lrmoe")
+METHOD_NAMES = {"fixed": "Fixed ownership (Megatron)", "symi": "SYMI (capacity 1.0)", "ultraep": "UltraEP",
+                "lrmoe": "LRMoE (C20)"}
+SCENARIO_OF = {"qwen3": "paper-qwen3", "glm4": "paper-glm"}
+TRACE_FILE = "routing_trace.npz"
+HARDWARE = "h100-sxm"
+CACHE_DIR = ("sim", "e3")
+
+
+# ----------------------------------------------------------------------------- curves and targets
+def smoothed(losses: list[float | None], window: int) -> list[float | None]:
+    """Trailing mean over ``window`` steps (None where a window holds no loss)."""
+    out = []
+    for i in range(len(losses)):
+        w = [x for x in losses[max(0, i - window + 1):i + 1] if x is not None]
+        out.append(sum(w) / len(w) if w else None)
+    return out
+
+
+def window_of(steps: int) -> int:
+    return max(3, math.ceil(SMOOTH_FRACTION * steps))
+
+
+def first_reach(curve: list[float | None], target: float) -> int | None:
+    """Index of the first entry at or below ``target`` (None: never)."""
+    return next((i for i, x in enumerate(curve) if x is not None and x <= target), None)
+
+
+def targets(c0_curve: list[float | None]) -> list[float]:
+    """The smoothed C0 loss at :data:`TARGET_FRACTIONS` of its run (step ``ceil(f * steps)``)."""
+    n = len(c0_curve)
+    return [c0_curve[max(0, math.ceil(f * n) - 1)] for f in TARGET_FRACTIONS]
+
+
+def e3_runs(res: Results) -> dict[str, dict[str, Run]]:
+    """family -> placement -> the finished E3 run of the first seed (tagged E3 in the manifest, or,
+    without one, any run with ``virtual_ep`` or ``ep`` > 1)."""
+    out: dict[str, dict[str, Run]] = {}
+    tagged = any("E3" in r.experiments for r in res.runs.values())
+    for r in sorted(res.runs.values(), key=lambda r: (r.seed, r.name)):
+        is_e3 = "E3" in r.experiments if tagged else max(r.config.get("virtual_ep", 1), r.config.get("ep", 1)) > 1
+        if is_e3 and r.done:
+            out.setdefault(r.family, {}).setdefault(r.config.get("placement", "?"), r)
+    return out
+
+
+# ----------------------------------------------------------------------------- simulated time
+def simulated_step_seconds(method, counts_SLGE: np.ndarray, cluster, dims, hw, budget_bytes: float, *,
+                           include_planning: bool = True) -> dict:
+    """Per trace step, the simulated MoE-layer seconds of ``method`` (a :class:`lrmoe.sim.simulate.Method`)
+    summed over the trace's layers: the plans :func:`lrmoe.sim.simulate.run_method` makes (state
+    carried per layer, split pieces planned and executed, ``oom`` plans not run) costed by
+    :func:`lrmoe.sim.cost.layer_cost`; with ``include_planning`` every executed plan's forward is
+    charged the median of the planner's host times, as run_method charges it. The total equals
+    run_method's ``moe_seconds`` (tests/experiments/test_time_to_target.py)."""
+    from lrmoe.planning.step import plan_layer
+    from lrmoe.sim.cost import layer_cost
+    from lrmoe.sim.simulate import even_pieces
+
+    S, L = counts_SLGE.shape[:2]
+    kw = dict(options=method.options, selects=method.selects, drop_ratio=method.drop_ratio, quota=method.quota,
+              quota_options=method.quota_options)
+    states: list = [None] * L
+    step_s, ran_per_step, plan_ms, oom = [], [], [], 0
+    for s in range(S):
+        total, ran = 0.0, 0
+        for layer in range(L):
+            d = counts_SLGE[s, layer]
+            t0 = time.perf_counter()
+            plan = plan_layer(method.placement, d, cluster, dims, budget_bytes, state=states[layer], **kw)
+            states[layer] = plan.state
+            pieces = [plan] if plan.num_splits == 1 else [
+                plan_layer(method.placement, p, cluster, dims, budget_bytes, state=states[layer], piece=True, **kw)
+                for p in even_pieces(d, plan.num_splits)]
+            plan_ms.append((time.perf_counter() - t0) * 1e3)
+            if plan.fallback == "oom":
+                oom += 1
+                continue
+            ran += 1
+            for p in pieces:
+                c = layer_cost(p, cluster, dims, hw, selects=method.selects, compact=method.mode == "compact")
+                total += c["forward_s"] + c["backward_s"]
+        step_s.append(total)
+        ran_per_step.append(ran)
+    charge = statistics.median(plan_ms) / 1e3 if include_planning and plan_ms else 0.0
+    return {"step_s": [t + charge * n for t, n in zip(step_s, ran_per_step)], "planning_s_per_plan": charge,
+            "oom_plans": oom, "plans": S * L}
+
+
+def _scenario(family: str):
+    from lrmoe.sim.scenarios import get_scenario
+
+    return get_scenario(SCENARIO_OF[family])
+
+
+def _paper_trace(run: Run, sc):
+    from lrmoe.sim.scenarios import MODELS
+    from lrmoe.sim.trace import load_trace
+
+    tr = load_trace(run.dir / TRACE_FILE)
+    if tr.num_ranks != sc.ranks:
+        tr = tr.regrouped(sc.ranks)
+    return tr.scaled(sc.tokens_per_rank * MODELS[sc.model][3])
+
+
+def simulate_family(res: Results, family: str, runs: dict[str, Run], say=None) -> dict[str, dict]:
+    """placement -> {"step_s": simulated seconds per optimizer step (paper depth), ...} for the
+    family's E3 runs (cached under ``<results>/sim/e3/``)."""
+    from lrmoe.sim.hardware import get_hardware
+    from lrmoe.sim.scenarios import MODELS, budget_bytes_for
+    from lrmoe.sim.simulate import PAPER_METHODS
+
+    sc = _scenario(family)
+    methods = {m.placement: m for m in PAPER_METHODS}
+    traces = {pl: _paper_trace(r, sc) for pl, r in runs.items() if (r.dir / TRACE_FILE).exists()}
+    if not traces:
+        return {}
+    budget = max(budget_bytes_for(sc, t.counts) for t in traces.values())
+    hw = get_hardware(HARDWARE)
+    cache = res.dir.joinpath(*CACHE_DIR)
+    out = {}
+    for pl, tr in traces.items():
+        if pl not in methods:
+            continue
+        key = hashlib.sha256(tr.counts.tobytes()).hexdigest()
+        settings = {"trace_sha256": key, "scenario": sc.name, "hardware": HARDWARE, "budget_bytes": budget,
+                    "method": dataclasses.asdict(methods[pl])}
+        path = cache / f"{runs[pl].name}.json"
+        old = read_json(path) if path.exists() else None
+        if old is not None and old.get("settings") == settings:
+            out[pl] = old
+            continue
+        if say:
+            say(f"T3: simulating {runs[pl].name} at paper scale ({tr.steps} micro-batches x {tr.layers} layers)")
+        sim = simulated_step_seconds(methods[pl], tr.counts, sc.cluster(), sc.dims(), hw, budget)
+        per_micro = np.asarray(sim["step_s"]) * MODELS[sc.model][4] / tr.layers  # the paper model's depth
+        ga = int(runs[pl].config.get("grad_accum") or 1)
+        per_step = per_micro.reshape(-1, ga).sum(1) if per_micro.size % ga == 0 else per_micro
+        entry = {"settings": settings, "step_s": per_step.tolist(), "planning_s_per_plan": sim["planning_s_per_plan"],
+                 "oom_plans": sim["oom_plans"], "plans": sim["plans"], "trace_layers": tr.layers,
+                 "paper_layers": MODELS[sc.model][4], "tokens_per_rank": sc.tokens_per_rank, "simulated": True}
+        cache.mkdir(parents=True, exist_ok=True)
+        write_json(path, entry)
+        out[pl] = entry
+    return out
+
+
+# ----------------------------------------------------------------------------- data
+def t3_data(res: Results, say=None) -> list[dict]:
+    """Per family: targets, and per method the curve, steps and both times to each target."""
+    out = []
+    for family, runs in e3_runs(res).items():
+        c0 = runs.get("fixed")
+        if c0 is None:
+            continue
+        sims = simulate_family(res, family, runs, say)
+        win = window_of(len(c0.rows))
+        tgs = targets(smoothed([r.get("loss") for r in c0.rows], win))
+        methods = {}
+        for pl in [p for p in METHOD_ORDER if p in runs] + sorted(set(runs) - set(METHOD_ORDER)):
+            r = runs[pl]
+            curve = smoothed([row.get("loss") for row in r.rows], win)
+            measured = np.cumsum([row.get("moe_fwd_s", 0.0) + row.get("moe_bwd_s", 0.0) for row in r.rows]).tolist()
+            sim = sims.get(pl)
+            simulated = np.cumsum(sim["step_s"]).tolist() if sim and len(sim["step_s"]) == len(curve) else None
+            reach = []
+            for t in tgs:
+                i = first_reach(curve, t)
+                reach.append({"step": None if i is None else i + 1,
+                              "measured_s": None if i is None else measured[i],
+                              "simulated_s": None if i is None or simulated is None else simulated[i]})
+            methods[pl] = {"run": r.name, "curve": curve, "measured_cum_s": measured, "simulated_cum_s": simulated,
+                           "reach": reach, "hardware": r.summary.get("environment", {}).get("cpu_model")}
+        for pl, m in methods.items():
+            for j, rc in enumerate(m["reach"]):
+                base = methods.get("symi", {}).get("reach", [{}] * len(tgs))[j]
+                for kind in ("measured_s", "simulated_s"):
+                    a, b = rc.get(kind), base.get(kind)
+                    rc[f"{kind[:-2]}_vs_symi_pct"] = 100 * (1 - a / b) if a is not None and b else None
+        out.append({"family": family, "model": c0.config.get("model"), "overrides": c0.config.get("model_overrides"),
+                    "virtual_ep": c0.config.get("virtual_ep"), "steps": len(c0.rows), "window": win,
+                    "targets": tgs, "fractions": list(TARGET_FRACTIONS), "methods": methods,
+                    "scenario": SCENARIO_OF[family], "hardware_model": HARDWARE})
+    return out
+
+
+# ----------------------------------------------------------------------------- T3
+def _f(v, fmt):
+    return "not reached" if v is None else format(v, fmt)
+
+
+def make_t3(res: Results, paper: dict, out: Path, say=None) -> list[Path] | None:
+    data = t3_data(res, say)
+    if not data:
+        return None
+    p = paper["T3"]
+    head = ["Model family", "Target (C0 at % of run)", "Method", "Steps", "MoE time (a) measured, s",
+            "(a) vs SYMI %", "MoE time (b) simulated, min", "(b) vs SYMI %"]
+    rows = []
+    for fam in data:
+        for j, (frac, tg) in enumerate(zip(fam["fractions"], fam["targets"])):
+            for pl, m in fam["methods"].items():
+                rc = m["reach"][j]
+                sim_min = None if rc["simulated_s"] is None else rc["simulated_s"] / 60
+                rows.append([FAMILY_NAMES.get(fam["family"], fam["family"]), f"{tg:.4f} ({100 * frac:.0f} %)",
+                             METHOD_NAMES.get(pl, pl), _f(rc["step"], "d"), _f(rc["measured_s"], ".2f"),
+                             _f(rc["measured_vs_symi_pct"], "+.1f") if pl != "symi" else "—",
+                             _f(sim_min, ".3f"), _f(rc["simulated_vs_symi_pct"], "+.1f") if pl != "symi" else "—"])
+    q = p["qwen3_to_loss_0.02"]
+    paper_line = (f"LRMoE needs {p['reduction_vs_symi_pct_range'][0]}–{p['reduction_vs_symi_pct_range'][1]} % less "
+                  f"cumulative MoE-layer time than SYMI to fixed loss targets (Qwen3 "
+                  f"{' / '.join(str(x) for x in p['reduction_vs_symi_pct']['qwen3'])} %, GLM "
+                  f"{p['reduction_vs_symi_pct']['glm4']} %); Qwen3-30B-A3B to loss {q['loss_target']}: SYMI "
+                  f"{q['SYMI']['minutes']} min over {q['SYMI']['steps']:,} steps, LRMoE {q['LRMoE']['minutes']} min over "
+                  f"{q['LRMoE']['steps']:,} steps (8× Hopper, EP8)")
+    first = data[0]
+    models = "; ".join(f"{FAMILY_NAMES.get(d['family'], d['family'])}: `{d['model']}` with {d['overrides']}"
+                       for d in data)
+    cpu = next((m["hardware"] for d in data for m in d["methods"].values() if m["hardware"]), "?")
+    md = [f"**T3. Time to a fixed loss target: steps and cumulative MoE-layer time per method**", "",
+          f"*Trained* (this kit, E3): preset `{res.preset_name}`; {models}; {first['steps']} steps, "
+          f"{first['virtual_ep']} virtual EP ranks in one process (`lrmoe train --virtual-ep`), seed 0.  ",
+          f"*Targets*: the fixed-ownership run's (C0: dropless, full backward) training loss at "
+          f"{', '.join(f'{100 * f:.0f} %' for f in TARGET_FRACTIONS)} of its steps, trailing mean over "
+          f"{first['window']} steps; a method reaches a target at the first step its trailing mean is at or below it.  ",
+          f"*(a) measured*: cumulative `moe_fwd_s + moe_bwd_s` of the run: one CPU process ({cpu}) executing the "
+          f"experts of all {first['virtual_ep']} virtual ranks; a single-process time, not a cluster's.  ",
+          f"*(b) simulated*: the run's own routing trace scaled to 32,768 tokens per rank, replayed through the "
+          f"method's planner and the cost model on the `{HARDWARE}` hardware model with the paper's model "
+          f"dimensions and EP8 cluster (scenarios `paper-qwen3` / `paper-glm`); per-step time of the run's MoE layers "
+          f"× the paper model's MoE layers / the run's.  ",
+          f"*Paper*: {paper_line}.", "", _md_table(head, rows), "",
+          "What this can and cannot claim: the steps come from real training with each method's semantics (forward "
+          "drops, backward quotas) at cpu scale; the simulated minutes combine those steps with the run's routing "
+          "replayed at the paper's scale, whose skew at 256 tokens per rank carries more sampling noise than the "
+          "paper's 32,768. Neither is the paper's measurement: T3 at paper scale needs the 8-GPU runs.", ""]
+    write_json(out / "tables" / "T3_time_to_target.json", {"families": data, "paper": p})
+    cap = f"T3: time to fixed loss targets per method. Trained: preset {res.preset_name}. Paper: {paper_line}."
+    return _write(out, "T3_time_to_target", md, _tex_table(cap, "tab:t3", head, rows)) + [
+        out / "tables" / "T3_time_to_target.json"]
+
+
+# ----------------------------------------------------------------------------- F4
+def make_f4(res: Results, paper: dict, out: Path, say=None) -> list[Path] | None:
+    data = t3_data(res, say)
+    if not data:
+        return None
+    plt, sns = pyplot()
+    fig, axes = plt.subplots(len(data), 2, figsize=(11, 3.6 * len(data)), squeeze=False)
+    colors = dict(zip(METHOD_ORDER, sns.color_palette("deep", len(METHOD_ORDER))))
+    for row, fam in zip(axes, data):
+        for ax, kind, unit, scale in ((row[0], "measured_cum_s", "s", 1.0), (row[1], "simulated_cum_s", "min", 60.0)):
+            for pl, m in fam["methods"].items():
+                if m[kind] is None:
+                    continue
+                ax.plot(np.asarray(m[kind]) / scale, m["curve"], label=METHOD_NAMES.get(pl, pl),
+                        color=colors.get(pl), lw=1.4)
+            for frac, tg in zip(fam["fractions"], fam["targets"]):
+                ax.axhline(tg, color="0.4", ls="--", lw=0.8)
+                ax.text(ax.get_xlim()[1], tg, f" C0 at {100 * frac:.0f} %", va="center", fontsize=7)
+            name = FAMILY_NAMES.get(fam["family"], fam["family"])
+            what = ("(a) measured: 1 CPU process, 8 virtual ranks" if kind == "measured_cum_s"
+                    else f"(b) simulated: {HARDWARE}, paper dims, trace scaled")
+            ax.set_title(f"{name}: {what}", fontsize=9)
+            ax.set_xlabel(f"cumulative MoE-layer time ({unit})")
+            ax.set_ylabel(f"training loss (trailing mean, {fam['window']} steps)")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    files = save_figure(fig, out, "F4_loss_vs_moe_time")
+    plt.close(fig)
+    return files

@@ -1,0 +1,111 @@
+"""T3 / F4 (paper_figures.time_to_target): the per-step simulated time equals the simulator's total,
+targets and reach steps by hand, and the tables/figure from synthetic E3 run folders (128 experts,
+8 ranks: real planners and cost model on synthetic routing)."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from lrmoe.files import write_json
+from lrmoe.sim.scenarios import get_scenario
+from lrmoe.sim.simulate import PAPER_METHODS, run_method
+from lrmoe.sim.hardware import get_hardware
+from lrmoe.sim.trace import save_trace
+from lrmoe.sim.workloads import synthetic_trace
+from paper_figures import Results
+from paper_figures import time_to_target as ttt
+from paper_figures.results import paper_numbers
+
+STEPS, LAYERS, TOKENS = 12, 2, 64
+
+
+def _trace(seed, steps=STEPS):
+    return synthetic_trace("lognormal", steps=steps, layers=LAYERS, num_ranks=8, num_experts=128,
+                           tokens_per_rank=TOKENS, top_k=8, seed=seed)
+
+
+@pytest.mark.parametrize("budget_scale", [None, 0.6])
+def test_per_step_seconds_sum_to_the_simulators_total(budget_scale):
+    sc = get_scenario("paper-qwen3")
+    counts = _trace(3, steps=3).scaled(sc.tokens_per_rank * 8).counts
+    from lrmoe.sim.scenarios import budget_bytes_for
+
+    budget = budget_bytes_for(sc, counts) * (budget_scale or 1.0)  # 0.6: splits (and oom for some)
+    hw = get_hardware("h100-sxm")
+    for m in PAPER_METHODS:
+        mine = ttt.simulated_step_seconds(m, counts, sc.cluster(), sc.dims(), hw, budget, include_planning=False)
+        ref = run_method(m, counts, sc.cluster(), sc.dims(), hw, budget, include_planning=False)
+        assert len(mine["step_s"]) == 3 and mine["oom_plans"] == ref["oom"]
+        assert math.isclose(sum(mine["step_s"]), ref["moe_seconds"], rel_tol=1e-9), m.name
+
+
+def test_smoothing_targets_and_reach_by_hand():
+    assert ttt.smoothed([4.0, None, 2.0, 0.0], 2) == [4.0, 4.0, 2.0, 1.0]
+    assert ttt.window_of(12) == 3 and ttt.window_of(200) == 10
+    curve = [10.0 - i for i in range(10)]  # 10 .. 1
+    assert ttt.targets(curve) == [6.0, 3.0, 2.0]  # steps 5, 8, 9 of 10
+    assert ttt.first_reach(curve, 3.0) == 7 and ttt.first_reach(curve, 0.5) is None
+
+
+def _run_folder(root, placement, losses, moe_s, seed):
+    d = root / f"qwen3-E3-{placement}-s0"
+    d.mkdir()
+    cfg = {"model": "qwen3-moe-small", "steps": len(losses), "placement": placement, "virtual_ep": 8, "seed": 0,
+           "drop_ratio": 0.2 if placement == "lrmoe" else 0.0, "grad_accum": 1,
+           "model_overrides": {"num_local_experts": 128, "num_experts_per_tok": 8}}
+    (d / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "loss": x, "moe_fwd_s": moe_s / 2,
+                                                         "moe_bwd_s": moe_s / 2}) + "\n"
+                                             for i, x in enumerate(losses)))
+    write_json(d / "summary.json", {"status": "done", "steps_done": len(losses), "config": cfg,
+                                    "model": {"family": "qwen3_moe"}, "environment": {"cpu_model": "test CPU"}})
+    save_trace(d / ttt.TRACE_FILE, _trace(seed, steps=len(losses)))
+
+
+def test_t3_and_f4_from_run_folders(tmp_path, monkeypatch):
+    base = [10.0 - 0.75 * i for i in range(STEPS)]
+    _run_folder(tmp_path, "fixed", base, 1.0, 1)
+    _run_folder(tmp_path, "ultraep", base, 1.2, 2)
+    _run_folder(tmp_path, "symi", [base[0]] * 2 + base[:-2], 1.0, 3)  # 2 steps behind
+    _run_folder(tmp_path, "lrmoe", base, 0.5, 4)
+    res = Results.load(tmp_path)
+    paper = paper_numbers()
+    files = ttt.make_t3(res, paper, tmp_path)
+    assert {f.name for f in files} == {"T3_time_to_target.md", "T3_time_to_target.tex", "T3_time_to_target.json"}
+    data = json.loads((tmp_path / "tables" / "T3_time_to_target.json").read_text())["families"][0]
+    curve = ttt.smoothed(base, 3)
+    assert data["targets"] == pytest.approx(ttt.targets(curve)) and data["window"] == 3
+    want = [ttt.first_reach(curve, t) + 1 for t in data["targets"]]
+    m = data["methods"]
+    assert [r["step"] for r in m["fixed"]["reach"]] == want
+    symi = [w + 2 if w + 2 <= STEPS else None for w in want]  # the last target: past SYMI's run
+    assert [r["step"] for r in m["symi"]["reach"]] == symi and symi[-1] is None
+    assert "not reached" in (tmp_path / "tables" / "T3_time_to_target.md").read_text()
+    for j, w in enumerate(want):
+        assert m["lrmoe"]["reach"][j]["measured_s"] == pytest.approx(0.5 * w)
+        if symi[j] is None:
+            assert m["lrmoe"]["reach"][j]["measured_vs_symi_pct"] is None
+            continue
+        assert m["lrmoe"]["reach"][j]["measured_vs_symi_pct"] == pytest.approx(100 * (1 - 0.5 * w / (w + 2)))
+        assert m["ultraep"]["reach"][j]["measured_vs_symi_pct"] == pytest.approx(100 * (1 - 1.2 * w / (w + 2)))
+        sim = [m[pl]["reach"][j]["simulated_s"] for pl in ("lrmoe", "symi")]
+        assert m["lrmoe"]["reach"][j]["simulated_vs_symi_pct"] == pytest.approx(100 * (1 - sim[0] / sim[1]))
+        for pl in ("fixed", "symi", "lrmoe", "ultraep"):
+            assert m[pl]["reach"][j]["simulated_s"] > 0
+        sim = m["lrmoe"]["simulated_cum_s"]
+        assert m["lrmoe"]["reach"][j]["simulated_s"] == pytest.approx(sim[w - 1])
+    md = (tmp_path / "tables" / "T3_time_to_target.md").read_text()
+    assert "simulated" in md and "h100-sxm" in md and "42.5" in md and "64.6 min" in md and "test CPU" in md
+    cached = sorted(p.name for p in (tmp_path / "sim" / "e3").iterdir())
+    assert cached == [f"qwen3-E3-{pl}-s0.json" for pl in ("fixed", "lrmoe", "symi", "ultraep")]
+    # a second table reads the cache: nothing is replayed
+    monkeypatch.setattr(ttt, "simulated_step_seconds", lambda *a, **k: pytest.fail("replayed despite the cache"))
+    figs = ttt.make_f4(Results.load(tmp_path), paper, tmp_path)
+    assert sorted(f.suffix for f in figs) == [".pdf", ".png"] and all(f.stat().st_size > 0 for f in figs)
+
+
+def test_no_e3_runs_no_table(tmp_path):
+    res = Results.load(tmp_path)
+    assert ttt.make_t3(res, paper_numbers(), tmp_path) is None and ttt.make_f4(res, paper_numbers(), tmp_path) is None
