@@ -10,9 +10,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import figures, tables
+from . import figures, tables, time_to_target
 
 KINDS = ("table", "figure")
+SIM_DIR = "sim"  # <results>/sim/<scenario>/: `lrmoe simulate --scenario all --out <results>/sim`
+_SIM_NEEDS = ("the cluster simulator's scenarios in <results>/sim/ (`lrmoe simulate --scenario all --out "
+              "<results>/sim`; `lrmoe reproduce` runs it)")
+
+
+def simulated(key: str) -> Callable:
+    """The maker of a simulated table/figure: the tables (``.md``) and figures (``.png``) that
+    `lrmoe simulate` wrote for ``key`` under ``<results>/sim/<scenario>/`` (every number in them
+    labelled simulated, with its hardware model and trace); None when there are none yet."""
+
+    def fn(res, paper, out):
+        d = res.dir / SIM_DIR
+        files = sorted(d.glob(f"*/tables/{key}_*.md")) + sorted(d.glob(f"*/figures/{key}_*.png"))
+        return files or None
+
+    fn.__name__ = f"simulated_{key}"
+    return fn
 
 
 @dataclass(frozen=True)
@@ -20,7 +37,7 @@ class Maker:
     key: str
     kind: str  # "table" or "figure"
     title: str
-    fn: Callable | None = None  # fn(results, paper, out_dir) -> list[Path]; None: not yet produced
+    fn: Callable | None = None  # fn(results, paper, out_dir) -> list[Path] (None: nothing yet); None: not yet produced
     needs: str = ""  # what must land before it can be produced
 
 
@@ -28,20 +45,20 @@ BUILTIN = (
     Maker("T1", "table", "Convergence by drop level (C0-C30)", tables.make_t1),
     Maker("T2", "table", "Scorer ablation (mean ΔPPL vs C0 over seeds)", tables.make_t2),
     Maker("T3", "table", "Time to a fixed loss target (cumulative MoE-layer time) per method and model",
-          needs="expert-parallel training runs of every method on GPUs (the runtime and baselines exist: "
-                "`lrmoe train --ep N --placement ...`; no preset runs them yet)"),
-    Maker("T4", "table", "Memory breakdown per method (expert placement + replicas + token buffers)",
-          needs="a table maker over the memory model (`lrmoe.planning.memory`, `scripts/bench_ep.py` reports it "
-                "per plan) at the paper's shapes; not written yet"),
-    Maker("T5", "table", "Backward execution latency per MoE layer",
-          needs="the layer benchmark at the paper's shapes on a GPU (`scripts/gpu_check.sh`)"),
+          time_to_target.make_t3, needs="E3's runs (every method with its EP semantics; `lrmoe reproduce --preset cpu` "
+                                        "trains them with --virtual-ep 8)"),
+    Maker("T4", "table", "Memory breakdown per method (expert placement + replicas + token buffers), simulated",
+          simulated("T4"), needs=_SIM_NEEDS),
+    Maker("T5", "table", "Backward execution latency per MoE layer, simulated", simulated("T5"), needs=_SIM_NEEDS),
     Maker("F1", "figure", "Per-expert demand vs backward quota vs kept (one layer, one step, real routing)",
           figures.make_f1),
     Maker("F2", "figure", "Loss curves C0-C30 per model family", figures.make_f2),
-    Maker("F3", "figure", "Effective throughput vs batch-size pressure (1x-20x) per method",
-          needs="the cluster simulator (not written yet) or EP runs at batch-size pressure on GPUs"),
-    Maker("F4", "figure", "Loss vs cumulative MoE-layer time per method",
-          needs="expert-parallel training runs of every method on GPUs (no preset runs them yet)"),
+    Maker("F3", "figure", "Effective throughput vs batch-size pressure (1x-20x) per method, simulated",
+          simulated("F3"), needs=_SIM_NEEDS),
+    Maker("F4", "figure", "Loss vs cumulative MoE-layer time per method", time_to_target.make_f4,
+          needs="E3's runs (every method with its EP semantics; `lrmoe reproduce --preset cpu` trains them)"),
+    Maker("F5", "figure", "LRMoE against each baseline as skew, budget, EP size and drop ratio vary, simulated",
+          simulated("F5"), needs=_SIM_NEEDS),
 )
 MAKERS: dict[str, Maker] = {m.key: m for m in BUILTIN}
 

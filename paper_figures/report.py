@@ -34,6 +34,9 @@ def make_all(results_dir, out_dir=None, only: list[str] | None = None,
             status[m.key] = ("not yet produced", [])
             continue
         files = m.fn(res, paper, out)
+        if files is None:  # e.g. a simulated table whose simulation has not been run into the folder
+            status[m.key] = ("not yet produced", [])
+            continue
         written += files
         status[m.key] = ("written", files)
     path = write_text(out / "report.md", _report(res, out, paper, status))

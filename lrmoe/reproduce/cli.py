@@ -21,7 +21,9 @@ def register_cli(sub) -> None:
     p.add_argument("--data", default=None, help="Alpaca source for every run (file, directory or hub id); "
                                                 "default: the preset's shared sample, $LRMOE_ALPACA, or the hub")
     p.add_argument("--jobs", type=int, default=None, help="runs in parallel (default: the preset's)")
-    p.add_argument("--no-figures", action="store_true", help="skip the figures/tables step")
+    p.add_argument("--no-figures", action="store_true", help="skip the figures/tables step (and the simulation)")
+    p.add_argument("--no-simulation", action="store_true",
+                   help="skip the cluster simulator's scenarios (T4, T5, F3, F5 in report.md; ~1 CPU-minute)")
     p.set_defaults(func=_cli)
 
 
@@ -32,7 +34,8 @@ def _cli(args) -> int:
 
     try:
         return reproduce(args.preset, args.out, args.only, args.dry_run, args.data, args.jobs,
-                         figures=not args.no_figures, reference=args.reference)
+                         figures=not args.no_figures, reference=args.reference,
+                         simulate=not args.no_simulation)
     except UsageError as e:  # a bad argument: one line, no traceback
         print(f"lrmoe reproduce: {e}", file=sys.stderr)
         return 2

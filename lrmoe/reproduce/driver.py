@@ -65,7 +65,8 @@ def check_jobs(jobs: int | None) -> None:
 
 
 def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_run: bool = False, data: str | None = None,
-              jobs: int | None = None, figures: bool = True, progress: bool = True, reference=None) -> int:
+              jobs: int | None = None, figures: bool = True, progress: bool = True, reference=None,
+              simulate: bool = True) -> int:
     """Run every pending run of ``preset`` (skipping finished ones), then the figures. Returns an
     exit code: 0, 1 (a run failed), 2 (a run folder of another config, a damaged one or one that
     another process trains, or a preset whose hardware this machine lacks: checked before anything
@@ -77,7 +78,9 @@ def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_r
     (``torchrun ... -m lrmoe.cli reproduce ...``), every rank runs the pending runs in this
     process, one after another, over one process group; rank 0 writes the files.
 
-    With ``figures``, the tables are then compared cell by cell with ``reference`` (a results
+    With ``figures`` and ``simulate``, the cluster simulator's paper-scale scenarios run first
+    (:mod:`~lrmoe.reproduce.simulate`: T4, T5, F3, F5 into ``<out>/sim/``, simulated), so the
+    report has them beside the measured tables. With ``figures``, the tables are then compared cell by cell with ``reference`` (a results
     folder; default the committed ``results/<preset>/`` when it has a manifest; ``"none"`` or a
     reference that is the output folder itself: no comparison) and with the paper
     (:mod:`~lrmoe.reproduce.compare`: ``compare.md`` and ``compare.json`` in the output folder,
@@ -111,7 +114,7 @@ def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_r
     if main and sv.reasons(pending):  # why a started run runs again (it resumes, or restarts)
         print("\n".join([f"{p.prog}: started runs that run again:", *sv.reasons(pending)]), file=sys.stderr)
     if p.launcher == "torchrun" and not under_torchrun:
-        return _launch_torchrun(p, out, pl["all_runs"], runs, pending, figures, ref)
+        return _launch_torchrun(p, out, pl["all_runs"], runs, pending, figures, ref, simulate)
     if missing:  # checked before any file is written or any data is fetched
         print(f"{p.prog}: {p.kind} {p.name!r} needs {p.hardware}, but {missing}, so nothing was run; run it on "
               f"such a machine, or {p.elsewhere}", file=sys.stderr)
@@ -142,7 +145,8 @@ def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_r
         return 130
     if not main:
         return 0
-    return _finish(p, out, runs, pending, res.failures, time.perf_counter() - t0, jobs, only, figures, at_start, ref)
+    return _finish(p, out, runs, pending, res.failures, time.perf_counter() - t0, jobs, only, figures, at_start, ref,
+                   simulate)
 
 
 def _reference(p: Preset, out: Path, reference) -> Path | None:
@@ -236,7 +240,7 @@ def _list_runs(p: Preset, out: Path, runs: list[RunSpec], sv, skip: str | None, 
 
 
 def _launch_torchrun(p: Preset, out: Path, all_runs: list[RunSpec], runs: list[RunSpec], pending: list[RunSpec],
-                     figures: bool, ref: Path | None) -> int:
+                     figures: bool, ref: Path | None, simulate: bool) -> int:
     """Not under torchrun: print one torchrun command per pending run, then run them one after
     another when this machine has the GPUs; otherwise exit with status 2 (the commands are the way
     to run the preset elsewhere)."""
@@ -256,12 +260,13 @@ def _launch_torchrun(p: Preset, out: Path, all_runs: list[RunSpec], runs: list[R
     t0, at_start = time.perf_counter(), machine()
     write_manifest(out, _manifest(p, all_runs, at_start))
     failures = torchrun.launch_each(pending, out, p.nproc)
-    return _finish(p, out, runs, pending, failures, time.perf_counter() - t0, 1, None, figures, at_start, ref)
+    return _finish(p, out, runs, pending, failures, time.perf_counter() - t0, 1, None, figures, at_start, ref, simulate)
 
 
-def _finish(p, out, runs, pending, failures, wall, jobs, only, figures, at_start, reference) -> int:
-    """reproduce.json (with the machine and its load at the start and the end), then the figures
-    and the comparison with the reference and the paper (printed last); the exit code."""
+def _finish(p, out, runs, pending, failures, wall, jobs, only, figures, at_start, reference, simulate=True) -> int:
+    """reproduce.json (with the machine and its load at the start and the end), then the
+    simulated tables, the figures and the comparison with the reference and the paper (printed
+    last); the exit code."""
     at_end = machine()
     record_call(out / f"{p.prog.split()[-1]}.json", {p.kind: p.name, "runs": len(runs), "ran_now": len(pending),
                                          "failed": failures, "jobs": jobs, "only": only,
@@ -271,6 +276,9 @@ def _finish(p, out, runs, pending, failures, wall, jobs, only, figures, at_start
           f"{machine_line(at_start)} at the start; load average {_load(at_end)} at the end", file=sys.stderr)
     if callable(figures):  # the caller's tables and figures (`lrmoe ablate`: the grid's aggregation)
         return max(int(figures(out, runs) or 0), 1 if failures else 0)
+    sim_failed = False
+    if figures and simulate:
+        sim_failed = _simulate(out)
     if figures:
         from paper_figures import make_all
 
@@ -294,7 +302,25 @@ def _finish(p, out, runs, pending, failures, wall, jobs, only, figures, at_start
             print(f"comparison with {reference}/ and the paper: {', '.join(str(f) for f in files)}", file=sys.stderr)
             sys.stdout.write("\n" + render_markdown(result))
             sys.stdout.flush()
-    return 1 if failures else 0
+    return 1 if failures or sim_failed else 0
+
+
+def _simulate(out: Path) -> bool:
+    """The simulator's scenarios into ``<out>/sim/``; True when it failed (said on stderr; the
+    report then lists T4, T5, F3 and F5 as not produced)."""
+    from .simulate import SUBDIR, simulate_into
+
+    print(f"simulating the paper's cluster (T4, T5, F3, F5; `lrmoe simulate --scenario all`) into {out}/{SUBDIR}/ ...",
+          file=sys.stderr, flush=True)
+    rc, log, secs = simulate_into(out)
+    if rc != 0:
+        tail = "\n".join(log.strip().splitlines()[-3:])
+        print(f"lrmoe reproduce: the simulation failed (status {rc}; {out}/{SUBDIR}/simulate.log):\n{tail}",
+              file=sys.stderr)
+        return True
+    print(f"simulated in {secs:.0f}s: {out}/{SUBDIR}/<scenario>/ (simulation.json, tables, figures; "
+          f"log: {out}/{SUBDIR}/simulate.log)", file=sys.stderr)
+    return False
 
 
 def _load(m: dict) -> str:

@@ -189,3 +189,28 @@ def test_step_progress_reads_the_last_complete_row(tmp_path):
     assert last_step(f) == 2
     m = machine()
     assert m["cpu_count"] and len(m["load_average"]) == 3 and "load average" in machine_line(m)
+
+
+def test_report_puts_the_simulated_tables_beside_the_measured(tmp_path):
+    """T4/T5/F3/F5 come from <results>/sim/<scenario>/ (what `lrmoe simulate` writes there); without
+    them the report lists them as not yet produced."""
+    from paper_figures import make_all
+
+    d = write_folder(tmp_path / "ref")
+    make_all(d, only=["T1", "T4", "F5"])
+    report = (d / "report.md").read_text()
+    assert "## T4:" in report and "Not yet produced: needs the cluster simulator's scenarios" in report
+    tables = d / "sim" / "paper-qwen3" / "tables"
+    tables.mkdir(parents=True)
+    (tables / "T4_paper-qwen3.md").write_text("**T4 paper-qwen3**\n\n| method | GiB |\n|---|---|\n| lrmoe | 11.08 |\n\n"
+                                             "Simulated (h100-sxm; ...)\n")
+    figs = d / "sim" / "sweep-skew" / "figures"
+    figs.mkdir(parents=True)
+    (figs / "F5_sweep-skew.png").write_bytes(b"\x89PNG")
+    files = make_all(d, only=["T1", "T4", "F5"])
+    assert tables / "T4_paper-qwen3.md" in files and figs / "F5_sweep-skew.png" in files
+    report = (d / "report.md").read_text()
+    t1, t4, f5 = (report.index(f"## {k}:") for k in ("T1", "T4", "F5"))
+    assert t1 < t4 < f5 and "| lrmoe | 11.08 |" in report[t4:f5] and "Simulated (h100-sxm" in report[t4:f5]
+    assert "![F5](sim/sweep-skew/figures/F5_sweep-skew.png)" in report[f5:]
+    assert "Not yet produced" not in report

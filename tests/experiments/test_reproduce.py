@@ -26,7 +26,7 @@ def smoke(tmp_path_factory):
         mp.delenv("HF_DATASETS_CACHE", raising=False)
         mp.delenv("LRMOE_ALPACA", raising=False)
         out = base / "results"
-        assert reproduce("smoke", out, progress=False) == 0
+        assert reproduce("smoke", out, progress=False, simulate=False) == 0  # the simulator: tests/sim
         yield out
 
 
