@@ -8,7 +8,8 @@ TORCH_CPU ?= torch==2.13.0
 
 .PHONY: venv test bench reproduce clean
 
-# `make reproduce` runs the cpu preset (<= 30 min on 2 cores); `make reproduce PRESET=smoke` the CI one.
+# `make reproduce` trains the cpu preset (<= 30 min on 2 cores) into results/cpu-local/ and prints, last, its
+# tables compared cell by cell with the committed reference results/cpu/ and the paper; PRESET=smoke: the CI one.
 PRESET ?= cpu
 
 $(VENV)/.installed: pyproject.toml
