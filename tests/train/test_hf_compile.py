@@ -108,15 +108,19 @@ def test_compiled_backward_leaves_no_stale_record():
     assert hf.backward_records(model)[0].kept_fraction == 11 / 16
 
 
-@pytest.mark.slow
-def test_inductor_fullgraph_moe_block_compact():
-    """torch.compile's default backend (inductor: code generation, ~20 s cold on 2 cores) on one
+@pytest.mark.parametrize("device,dtype", [
+    pytest.param("cpu", torch.float32, marks=pytest.mark.slow),
+    pytest.param("cuda", torch.bfloat16, marks=pytest.mark.cuda),  # run by scripts/gpu_check.sh (its compile step)
+], ids=["cpu-fp32", "cuda-bf16"])
+def test_inductor_fullgraph_moe_block_compact(device, dtype):
+    """torch.compile's default backend (inductor: code generation, ~20 s cold on 2 CPU cores) on one
     transformers MoE block (router + lrmoe experts), compact mode at drop 0.3: output, input and
-    every parameter gradient equal to the same block run eagerly."""
+    every parameter gradient equal to the same block run eagerly; on CUDA in bf16 (Triton code from
+    inductor, F.grouped_mm inside the graph), within 2 % in norm of each tensor."""
     model = hf.build_model("qwen3-moe-tiny", vocab_size=V, seed=4, num_hidden_layers=1, policy=BackwardPolicy(0.3))
-    block = model.model.layers[0].mlp
-    x = torch.randn(2, 8, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    block = model.model.layers[0].mlp.to(device, dtype)
+    x = torch.randn(2, 8, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(device, dtype)
     out = []
     for fn in (block, torch.compile(block, fullgraph=True)):
         block.zero_grad()
@@ -126,5 +130,10 @@ def test_inductor_fullgraph_moe_block_compact():
         out.append([y.detach(), xx.grad] + [p.grad.clone() for p in block.parameters()])
     assert len(out[0]) == 2 + len(list(block.parameters()))
     for i, (a, b) in enumerate(zip(*out)):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=lambda m: f"tensor {i}: {m}")
+        assert b.dtype == a.dtype == dtype and b.device == a.device
+        if dtype == torch.float32:
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=lambda m: f"tensor {i}: {m}")
+        else:
+            err = float((b.float() - a.float()).norm() / a.float().norm())
+            assert err < 2e-2, f"tensor {i}: compiled vs eager differ by {err:.3g} in norm"
     assert all(g.abs().sum() > 0 for g in out[0][1:])  # every gradient was computed, none is zero
