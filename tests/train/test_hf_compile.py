@@ -108,6 +108,25 @@ def test_compiled_backward_leaves_no_stale_record():
     assert hf.backward_records(model)[0].kept_fraction == 11 / 16
 
 
+def test_generate_with_compiled_forward_and_static_cache():
+    """transformers' generation tests compile the forward (fullgraph) and decode with a static
+    cache: the same tokens as stock's uncompiled model (inference: no record, no backward)."""
+    kw = {"vocab_size": V, "seed": 4, "num_hidden_layers": 1}
+    stock = hf.build_model("qwen3-moe-tiny", experts_implementation="grouped_mm", **kw).eval()
+    model = hf.build_model("qwen3-moe-tiny", policy=BackwardPolicy(0.3), **kw).eval()
+    model.load_state_dict(stock.state_dict())
+    ids = batch((2, 6))
+    gen = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, cache_implementation="static")
+    want = stock.generate(ids, **gen)
+    from torch._dynamo.backends.debugging import aot_eager
+
+    graphs = []
+    model.forward = torch.compile(model.forward, fullgraph=True,
+                                  backend=lambda gm, example: graphs.append(gm) or aot_eager(gm, example))
+    assert torch.equal(model.generate(ids, **gen), want)
+    assert graphs  # it ran compiled (prefill and decoding steps)
+
+
 @pytest.mark.parametrize("device,dtype", [
     pytest.param("cpu", torch.float32, marks=pytest.mark.slow),
     pytest.param("cuda", torch.bfloat16, marks=pytest.mark.cuda),  # run by scripts/gpu_check.sh (its compile step)
