@@ -148,7 +148,7 @@ def test_generation_modes_match_stock(preset, mode):
 
 
 # --------------------------------------------------------------------------- switching the implementation
-@pytest.mark.parametrize("stock", ["grouped_mm", "eager"])
+@pytest.mark.parametrize("stock", ["grouped_mm", "batched_mm", "eager"])
 @pytest.mark.parametrize("preset", PRESETS)
 def test_set_experts_implementation_back_and_forth(preset, stock):
     """stock -> lrmoe -> stock on one model: the same loss and gradients at every stage (bit for bit
