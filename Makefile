@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 # with an NVIDIA GPU, let pip resolve torch>=2.11 normally.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: venv test bench reproduce clean
+.PHONY: venv test bench reproduce ablate clean
 
 # `make reproduce` trains the cpu preset (<= 30 min on 2 cores) into results/cpu-local/ and prints, last, its
 # tables compared cell by cell with the committed reference results/cpu/ and the paper; PRESET=smoke: the CI one.
@@ -34,6 +34,13 @@ bench: venv
 
 reproduce: venv
 	$(VENV)/bin/lrmoe reproduce --preset $(PRESET)
+
+# `make ablate`: the ablation grids that fit 2 CPU cores, one after another (docs/ablations.md: cost);
+# `make ablate GRIDS=quota` runs one. Tables and figures: results/ablations/<grid>/.
+GRIDS ?= drop_ratio quota mask_vs_compact
+
+ablate: venv
+	for g in $(GRIDS); do $(VENV)/bin/lrmoe ablate ablations/$$g.toml || exit $$?; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info
