@@ -1,7 +1,8 @@
 """What a transformers model does with its experts works with "lrmoe" as with transformers' own
 experts (issue 16): the stock model is the reference (same weights, same inputs) for Qwen3-MoE and
 GLM-4-MoE. Tiny and degenerate configurations, generation beyond greedy decoding (sampling, beam
-search, prompt lookup, left padding, continuing from a cache, continuous batching), switching the
+search and beam sampling, assisted decoding and prompt lookup, left padding, continuing from a
+cache, from inputs_embeds, continuous batching), batching equivalence, torch.export, switching the
 experts implementation back and forth, meta-device construction, and the checks transformers' own
 model tests make (their tester configuration: gelu, top-2 of 8 and GLM's top-8 of 8, padded
 batches; every head class, router logits and the load-balancing loss, hidden states, inputs_embeds).
@@ -111,6 +112,11 @@ def _generate(model, mode, ids):
         return model.generate(ids, do_sample=True, top_k=8, temperature=1.5, **kw)
     if mode == "beam-search":
         return model.generate(ids, do_sample=False, num_beams=3, num_return_sequences=2, **kw)
+    if mode == "beam-sample":
+        torch.manual_seed(321)
+        return model.generate(ids, do_sample=True, num_beams=2, top_k=8, **kw)
+    if mode == "assistant-model":  # assisted decoding (batch size 1) with the model as its own assistant
+        return model.generate(ids[:1], do_sample=False, assistant_model=model, **kw)
     if mode == "prompt-lookup":  # assisted decoding (batch size 1): candidates from the prompt, verified by the model
         return model.generate(ids[:1], do_sample=False, prompt_lookup_num_tokens=2, **kw)
     if mode == "left-padded":
@@ -131,8 +137,8 @@ def _generate(model, mode, ids):
     return torch.tensor([out[k].generated_tokens for k in sorted(out)])
 
 
-@pytest.mark.parametrize("mode", ["sample", "beam-search", "prompt-lookup", "left-padded", "continue-from-cache",
-                                  "inputs-embeds", "continuous-batching"])
+@pytest.mark.parametrize("mode", ["sample", "beam-search", "beam-sample", "assistant-model", "prompt-lookup",
+                                  "left-padded", "continue-from-cache", "inputs-embeds", "continuous-batching"])
 @pytest.mark.parametrize("preset", PRESETS)
 def test_generation_modes_match_stock(preset, mode):
     """With a policy that drops half the pairs from the backward (it changes no forward): the same
