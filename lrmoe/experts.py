@@ -9,7 +9,8 @@ Forward (every pair is computed; see docs/method.md):
 Backward, given g = dL/dy:
   1. dL/dalpha_u = g_t . O_u for every pair (exact, kept or not);
   2. scores R_u = scorer(alpha, g, phi); per expert keep the q_e best (ties: lower pair index;
-     non-finite scores first);
+     non-finite scores first), or with ``selection="sample"`` q_e pairs drawn with probability
+     pi_u ~ sqrt(R_u) whose rows are scaled by 1/pi_u (:func:`select_within_quota`);
   3. compact the kept rows (alpha*g, GU, X) into contiguous per-expert buffers;
   4. grouped GEMMs over kept rows only: dW_d, dh, gated-activation backward, dW_gu, dX; sum dX per
      token (segmented, deterministic).
@@ -35,6 +36,7 @@ from torch.autograd.function import once_differentiable
 
 from .kernels.grouped_gemm import grouped_mm, resolve_backend
 from .kernels.routing import count_by_value, kept_positions, select_top_quota, sort_pairs_by_expert, sum_rows_by_token
+from .kernels.sampling import sample_quota
 from .policy import BackwardPolicy, BackwardRecord, PolicySnapshot, check_policy
 from .quota import kept_pairs, quota_for
 from .scorers import ScoreInputs, row_norm2
@@ -225,7 +227,7 @@ def score_pairs(policy: PolicySnapshot, alpha_TK, g_TH, phi_norm2_TK, hidden_TH,
     T, K = top_k_index_TK.shape
     g_norm2_T = row_norm2(g_TH) if g_norm2_T is None else g_norm2_T
     inputs = ScoreInputs(alpha_TK, g_TH, phi_norm2_TK, hidden_TH, top_k_index_TK,
-                         generator=policy.generator, grad_norm2_T=g_norm2_T)
+                         generator=policy.generator, grad_norm2_T=g_norm2_T, phi=policy.phi)
     raw = policy.scorer_fn(inputs, **policy.scorer_kwargs)
     if not isinstance(raw, torch.Tensor) or raw.shape not in ((T, K), (T * K,)) or raw.is_complex():
         got = f"{raw.dtype} of shape {tuple(raw.shape)}" if isinstance(raw, torch.Tensor) else type(raw).__name__
@@ -234,6 +236,29 @@ def score_pairs(policy: PolicySnapshot, alpha_TK, g_TH, phi_norm2_TK, hidden_TH,
     scores_TK = raw.float().reshape(T, K)
     finite_TK = torch.isfinite(g_norm2_T).unsqueeze(1) & torch.isfinite(alpha_TK) & torch.isfinite(phi_norm2_TK)
     return scores_TK.masked_fill(~finite_TK, float("inf"))
+
+
+def select_within_quota(policy: PolicySnapshot, scores_P: torch.Tensor, bucket_P: torch.Tensor,
+                        quota_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(keep [P] bool, inclusion probabilities [P] float64 or None): within every bucket b (an
+    expert; in expert parallelism a (source, instance) pair) exactly ``quota_B[b]`` pairs, by the
+    policy's selection rule: ``top`` (the highest scores; no probabilities) or ``sample``
+    (:func:`lrmoe.kernels.sampling.sample_quota`: pi ~ sqrt(score), drawn from the policy's
+    generator). A bucket with quota 0 (in expert parallelism, the pairs dropped in forward) keeps nothing."""
+    if policy.selection == "sample":
+        return sample_quota(scores_P, bucket_P, quota_B, policy.generator)
+    return select_top_quota(scores_P, bucket_P, quota_B), None
+
+
+def row_weights(alpha_P: torch.Tensor, dtype: torch.dtype, keep_P: torch.Tensor | None,
+                inclusion_P: torch.Tensor | None) -> torch.Tensor:
+    """The factor of each pair's gradient row alpha_u g_t: alpha_u, divided by pi_u for a sampled
+    selection (0 for the pairs it dropped)."""
+    w = alpha_P.to(dtype)
+    if inclusion_P is None:
+        return w
+    inv = torch.where(keep_P, 1.0 / inclusion_P.clamp(min=2.0 ** -40), torch.zeros_like(inclusion_P))
+    return w * inv.to(dtype)
 
 
 class Stopwatch:
@@ -337,12 +362,13 @@ class SelectiveExperts(torch.autograd.Function):
         watch.lap("router_grad")
 
         # 2. Scores and selection (non-finite gradients rank first whatever the scorer).
-        scores_TK = keep_P = None
+        scores_TK = keep_P = incl_P = None
         g_norm2_T = row_norm2(g_TH)  # also flags NaN/Inf rows (one fused reduction)
         if phi_norm2_TK is not None:
             scores_TK = score_pairs(policy, alpha_TK, g_TH, phi_norm2_TK, hidden_TH, top_k_index_TK, g_norm2_T)
             if n_keep < P:
-                keep_P = select_top_quota(scores_TK.reshape(-1), top_k_index_TK.reshape(-1), quota_E)
+                keep_P, incl_P = select_within_quota(policy, scores_TK.reshape(-1), top_k_index_TK.reshape(-1),
+                                                     quota_E)
         watch.lap("score_select")
 
         # 3. Rows entering the expert backward: all, kept (compact) or all with dropped zeroed (mask).
@@ -358,6 +384,8 @@ class SelectiveExperts(torch.autograd.Function):
             rows_pair, offs, rows_token, GU_rows = perm_P, offs_E, token_P, GU
         watch.lap("compact")
         acc = acc_dtype(g_TH, alpha_TK)
+        if incl_P is not None:  # sampled: alpha / pi (unbiased)
+            alpha_P = row_weights(alpha_P, acc, keep_P, incl_P)
         G = g_TH.index_select(0, rows_token).to(acc).mul_(alpha_P.index_select(0, rows_pair).to(acc).unsqueeze(1))
         if keep_P is not None and ctx.masks:
             G = torch.where(keep_P[rows_pair].unsqueeze(1), G, torch.zeros((), dtype=G.dtype, device=G.device))
@@ -389,6 +417,8 @@ class SelectiveExperts(torch.autograd.Function):
             record.fill(demand=demand_E, quota=quota_E, kept=kept_E, kept_mask=keep_P.view(T, K),
                         scores=scores_TK, nonfinite=nonfinite, mode=policy.mode, drop_ratio=policy.drop_ratio,
                         scorer=None if scores_TK is None else policy.scorer,
+                        selection=None if scores_TK is None else policy.selection,
+                        inclusion=None if incl_P is None else incl_P.view(T, K),
                         buffer_bytes=buffer_bytes(G.shape[0], H, I2 // 2, G.element_size()), timings=watch.times)
         return grad_hidden, grad_alpha, dW_gu, dW_d, None, None, None, None
 

@@ -9,9 +9,13 @@ import torch
 
 from .kernels.grouped_gemm import BACKENDS
 from .quota import check_drop_ratio, check_min_keep, get_quota_policy
-from .scorers import get_scorer
+from .scorers import PHI_SCORERS, PHIS, get_scorer
 
 MODES = ("full", "compact", "mask")
+#: Values of ``BackwardPolicy.selection``: deterministic top-quota (the paper's rule) or unbiased sampling.
+SELECTIONS = ("top", "sample")
+# built-in scorers that do not look at phi (a phi other than the default would change nothing)
+_PHI_BLIND = ("grad_norm", "abs_grad", "random")
 
 
 @dataclass
@@ -34,6 +38,16 @@ class BackwardPolicy:
         None (default) fuses when the grouped GEMM backend resolves to ``triton``.
     profile: record per-phase backward timings in ``BackwardRecord.timings`` (synchronises the
         device after each phase: for analysis, not for training runs).
+    phi: which activation norm the LRM score R = alpha^2 ||g||^2 ||phi||^2 uses (``lrmoe.scorers.PHIS``):
+        ``h`` (the down-projection input, the paper's phi; default), ``x`` (the expert input; the
+        ``lrm_input`` scorer is ``lrm`` with phi ``x``), ``both`` (the sum of both projections' terms).
+        Read by the ``lrm`` scorer (and user scorers through ``ScoreInputs.phi``); the built-in
+        scorers that ignore it (grad_norm, abs_grad, random) refuse a value other than ``h``.
+    selection: how each expert's quota is filled: ``top`` (its highest-scoring pairs, the paper's
+        rule; default) or ``sample`` (pairs drawn with inclusion probabilities pi proportional to
+        sqrt(score), capped at 1, by systematic sampling so that exactly the quota is kept, each
+        kept pair's gradient row scaled by 1/pi: the expert weight gradients, and the expert-input
+        gradient, are unbiased; :mod:`lrmoe.kernels.sampling`). Draws come from ``seed``'s generator.
     """
 
     drop_ratio: float = 0.0
@@ -46,6 +60,8 @@ class BackwardPolicy:
     backend: str = "auto"
     fuse_gather: bool | None = None
     profile: bool = False
+    phi: str = "h"
+    selection: str = "top"
 
     def __post_init__(self):
         self.validate()
@@ -72,6 +88,10 @@ class BackwardPolicy:
             raise ValueError(f"profile must be a bool (True or False), got {self.profile!r}")
         if "min_keep" in self.quota_kwargs:  # fail at construction, not at the first backward
             check_min_keep(self.quota_kwargs["min_keep"])
+        check_phi(self.scorer, self.phi)
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"unknown selection {self.selection!r}; accepted: {list(SELECTIONS)} (top: each "
+                             f"expert's highest-scoring pairs; sample: unbiased sampling within the quota)")
         return self
 
     def __getstate__(self):  # generators are device state, not configuration
@@ -92,6 +112,7 @@ class BackwardPolicy:
             drop_ratio=self.drop_ratio, scorer=self.scorer, quota=self.quota, mode=self.mode,
             scorer_kwargs=dict(self.scorer_kwargs), quota_kwargs=dict(self.quota_kwargs), backend=self.backend,
             fuse_gather=self.fuse_gather, profile=self.profile, scorer_fn=get_scorer(self.scorer),
+            phi=self.phi, selection=self.selection,
             # (no generator on the meta device: shape-only forwards never score)
             generator=self.generator(device) if self.selects and torch.device(device).type != "meta" else None)
 
@@ -126,10 +147,24 @@ class PolicySnapshot:
     profile: bool
     scorer_fn: Callable
     generator: torch.Generator | None
+    phi: str = "h"
+    selection: str = "top"
 
     @property
     def selects(self) -> bool:
         return _selects(self.mode, self.drop_ratio)
+
+
+def check_phi(scorer: str, phi) -> None:
+    """ValueError unless ``phi`` is one of PHIS and means something for ``scorer``."""
+    if phi not in PHIS:
+        raise ValueError(f"unknown phi {phi!r}; accepted: {list(PHIS)} (the activation norm of the LRM score: h, "
+                         f"the down-projection input; x, the expert input; both, the sum of both terms)")
+    if scorer == "lrm_input" and phi == "both":
+        raise ValueError("scorer 'lrm_input' is 'lrm' with phi 'x'; for phi 'both' use scorer 'lrm'")
+    if scorer in _PHI_BLIND and phi != "h":
+        raise ValueError(f"scorer {scorer!r} does not use phi (phi={phi!r} would change nothing); phi applies to "
+                         f"{list(PHI_SCORERS)} (and user scorers that read ScoreInputs.phi): leave it at 'h'")
 
 
 def check_policy(policy: "BackwardPolicy | None") -> "BackwardPolicy":
@@ -176,7 +211,10 @@ class BackwardRecord:
     kept [E]: pairs kept in backward; kept_mask [T, K] bool; scores [T, K] float32 (None when the
     policy does not score, i.e. mode ``full`` or drop_ratio 0); scorer: the scorer's name (None
     without scoring); mode, drop_ratio: the policy's, as the forward saw them; nonfinite: number of
-    pairs whose score (or, without scoring, whose incoming gradient) is NaN/Inf; buffer_bytes: bytes of the
+    pairs whose score (or, without scoring, whose incoming gradient) is NaN/Inf; selection: the
+    policy's selection rule when it scored (None otherwise); inclusion [T, K] float64: with
+    ``selection="sample"``, each pair's inclusion probability pi in the draw (kept pairs' gradient rows
+    were scaled by 1/pi), else None; buffer_bytes: bytes of the
     backward execution buffers (gathered rows, intermediate and output gradients of the GEMMs);
     timings: seconds per backward phase when the policy has ``profile=True``: router_grad,
     score_select, compact (kept positions and the gathers of kept rows; zero without
@@ -189,6 +227,8 @@ class BackwardRecord:
         self.mode: str | None = None
         self.drop_ratio: float | None = None
         self.scorer: str | None = None
+        self.selection: str | None = None
+        self.inclusion: torch.Tensor | None = None
         self.buffer_bytes = 0
         self.timings: dict[str, float] = {}
         self._nonfinite: torch.Tensor | int = 0

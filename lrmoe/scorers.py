@@ -5,9 +5,15 @@ For the protected projection (the expert's down projection, input phi_u = h_u) t
 gradient is the rank-one ``(alpha_u g_t) phi_u^T``, whose squared Frobenius norm is the Load
 Recalibration Metric ``R_u = alpha_u^2 * ||g_t||^2 * ||phi_u||^2`` (scorer ``lrm``).
 
-Built-in scorers: ``lrm``, ``lrm_input`` (phi = the expert input x_t instead of h_u, an ablation),
-``grad_norm`` (||g_t||^2), ``abs_grad`` (||g_t||_1), ``random`` (uniform, seeded), listed in the
-registry at the end of this module. Register your own with :func:`register_scorer` (a name that
+Which activation norm phi the LRM score uses is the policy's ``phi`` (:data:`PHIS`, passed to
+scorers as ``ScoreInputs.phi``): ``h`` (the down-projection input, the paper's phi), ``x`` (the
+expert input x_t: the gate/up projection's input) or ``both`` (R_u^h + R_u^x, the sum of both
+projections' rank-one norms, each with alpha_u g_t as the output gradient; see docs/method.md).
+
+Built-in scorers: ``lrm`` (reads ``phi``), ``lrm_input`` (the alias of ``lrm`` with phi = x, kept
+so that configs and results that name it do not change), ``grad_norm`` (||g_t||^2), ``abs_grad``
+(||g_t||_1), ``random`` (uniform, seeded), listed in the registry at the end of this module.
+Register your own with :func:`register_scorer` (a name that
 exists raises unless ``override=True``) and remove it with :func:`unregister_scorer`.
 """
 from __future__ import annotations
@@ -21,6 +27,11 @@ import torch
 from .registry import Registry
 
 ScorerFn = Callable[..., torch.Tensor]
+#: Values of ``BackwardPolicy.phi``: which activation norm enters the LRM score.
+PHIS = ("h", "x", "both")
+#: Built-in scorers that read ``phi``; the other built-ins ignore it, so a policy refuses a phi other
+#: than the default with them (user-registered scorers may read ``ScoreInputs.phi``).
+PHI_SCORERS = ("lrm",)
 
 
 def row_norm2(x_NH: torch.Tensor) -> torch.Tensor:
@@ -42,6 +53,7 @@ class ScoreInputs:
     generator: torch.Generator | None = None
     extras: dict = field(default_factory=dict)
     grad_norm2_T: torch.Tensor | None = None  # ||g_t||^2 (fp32); computed here when not given
+    phi: str = "h"  # the policy's phi (PHIS): which activation norm the LRM score uses
 
     def __post_init__(self):
         if self.grad_norm2_T is None:
@@ -54,11 +66,18 @@ class ScoreInputs:
 
 
 def lrm_score(inp: ScoreInputs) -> torch.Tensor:
+    """R_u = alpha_u^2 ||g_t||^2 ||phi_u||^2 with phi = h_u (``phi="h"``), x_t (``"x"``), or the sum
+    of both terms (``"both"``)."""
+    if inp.phi == "x":
+        return lrm_input_score(inp)
     a = inp.alpha_TK.float()
+    if inp.phi == "both":
+        return a * a * inp.grad_norm2_T[:, None] * (inp.phi_norm2_TK.float() + inp.input_norm2_T[:, None])
     return a * a * inp.grad_norm2_T[:, None] * inp.phi_norm2_TK.float()
 
 
 def lrm_input_score(inp: ScoreInputs) -> torch.Tensor:
+    """``lrm`` with phi = x_t (the expert input), whatever ``inp.phi`` says (the policy refuses ``both`` with it)."""
     a = inp.alpha_TK.float()
     return a * a * (inp.grad_norm2_T * inp.input_norm2_T)[:, None]
 

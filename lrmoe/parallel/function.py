@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from ..experts import Stopwatch, acc_dtype, autocast_off, buffer_bytes, expert_backward, score_pairs, swiglu
+from ..experts import (Stopwatch, acc_dtype, autocast_off, buffer_bytes, expert_backward, row_weights, score_pairs,
+                       select_within_quota, swiglu)
 from ..kernels.grouped_gemm import grouped_mm
-from ..kernels.routing import select_top_quota, sort_pairs_by_expert, sum_rows_by_token
+from ..kernels.routing import sort_pairs_by_expert, sum_rows_by_token
 from .collectives import all_to_all
 
 #: Keys of ``record.comm_bytes`` that are the backward all-to-alls of token rows.
@@ -44,19 +45,20 @@ def _row_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, backend: str
 
 
 def select_pairs(policy, lay, send_pair, alpha_TK, g_TH, phi_TK, hidden_TH, idx_TK):
-    """(scores [T, K] or None, keep mask [P]) of one source rank's pairs: within every (source,
-    instance) bucket the ``plan.backward_quota_GN[source, instance]`` best by the policy's scorer
-    (:func:`lrmoe.kernels.routing.select_top_quota`); pairs dropped in forward are never kept; a
-    backward that does not select keeps every computed pair. ``lay``: the source's
+    """(scores [T, K] or None, keep mask [P], inclusion probabilities [P] or None) of one source
+    rank's pairs: within every (source, instance) bucket ``plan.backward_quota_GN[source, instance]``
+    pairs by the policy's scorer and selection rule (:func:`lrmoe.experts.select_within_quota`: the
+    best, or sampled with pi ~ sqrt(score), whose rows the caller scales by 1/pi); pairs dropped in
+    forward are never kept; a backward that does not select keeps every computed pair. ``lay``: the source's
     :class:`~lrmoe.parallel.layout.Layout`; ``send_pair``: its computed pairs in send order.
     Also the selection of :mod:`lrmoe.parallel.virtual` (one call per virtual source rank)."""
     P = idx_TK.numel()
     bucket_P = torch.full((P,), lay.n_buckets, dtype=torch.int64, device=g_TH.device)
     bucket_P.index_copy_(0, send_pair, lay.send_inst)
     if not policy.selects:
-        return None, bucket_P < lay.n_buckets  # every computed pair
+        return None, bucket_P < lay.n_buckets, None  # every computed pair
     scores_TK = score_pairs(policy, alpha_TK, g_TH, phi_TK, hidden_TH, idx_TK)
-    return scores_TK, select_top_quota(scores_TK.reshape(-1), bucket_P, lay.quota_B)
+    return (scores_TK, *select_within_quota(policy, scores_TK.reshape(-1), bucket_P, lay.quota_B))
 
 
 class EPExperts(torch.autograd.Function):
@@ -138,7 +140,7 @@ class EPExperts(torch.autograd.Function):
         watch.lap("router_grad")
 
         # 2. Scores and selection within (source = this rank, instance) buckets.
-        scores_TK, keep_P = select_pairs(policy, lay, send_pair, alpha_TK, g_TH, phi_TK, hidden_TH, idx_TK)
+        scores_TK, keep_P, incl_P = select_pairs(policy, lay, send_pair, alpha_TK, g_TH, phi_TK, hidden_TH, idx_TK)
         watch.lap("score_select")
 
         # 3. Rows that cross the network: the kept ones (compact), or all with dropped zeroed (mask/keep-all).
@@ -152,7 +154,7 @@ class EPExperts(torch.autograd.Function):
             out_splits, in_splits = lay.recv_splits, lay.send_splits
         acc = acc_dtype(g_TH, alpha_TK)
         G_rows = g_TH.index_select(0, rows_pair // K).to(acc).mul_(
-            alpha_TK.reshape(-1).index_select(0, rows_pair).to(acc).unsqueeze(1))
+            row_weights(alpha_TK.reshape(-1), acc, keep_P, incl_P).index_select(0, rows_pair).unsqueeze(1))
         if not lay.compacts and policy.selects:  # mask mode, or a plan that keeps everything
             G_rows = torch.where(keep_P.index_select(0, rows_pair).unsqueeze(1), G_rows,
                                  torch.zeros((), dtype=G_rows.dtype, device=dev))
@@ -209,6 +211,8 @@ class EPExperts(torch.autograd.Function):
                         kept=torch.bincount(idx_TK.reshape(-1)[keep_P], minlength=E), kept_mask=kept_mask,
                         scores=scores_TK, nonfinite=nonfinite, mode=policy.mode, drop_ratio=policy.drop_ratio,
                         scorer=None if scores_TK is None else policy.scorer,
+                        selection=None if scores_TK is None else policy.selection,
+                        inclusion=None if incl_P is None else incl_P.view(T, K),
                         buffer_bytes=buffer_bytes(G_k.shape[0], gate_up.shape[2], I, G_k.element_size()),
                         timings={**({"fwd_plan": call.plan_seconds} if policy.profile else {}),
                                  **{f"fwd_{k}": v for k, v in call.forward_timings.items()}, **watch.times},

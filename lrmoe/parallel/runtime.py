@@ -240,6 +240,7 @@ def _merge_records(target: BackwardRecord, parts: list[BackwardRecord]) -> None:
         for k, v in p.comm_bytes.items():
             comm[k] = comm.get(k, 0) + v
     scores = cat("scores") if all(p.scores is not None for p in parts) else None
+    inclusion = cat("inclusion") if all(p.inclusion is not None for p in parts) else None
     plan_s = sum(p.plan_seconds for p in parts)  # the whole call's planning (the first piece holds the split's)
     timings: dict[str, float] = {}  # seconds per phase, summed over the pieces
     for p in parts:
@@ -248,6 +249,7 @@ def _merge_records(target: BackwardRecord, parts: list[BackwardRecord]) -> None:
     target.fill(demand=sum(p.demand for p in parts), quota=sum(p.quota for p in parts), kept=sum(p.kept for p in parts),
                 kept_mask=cat("kept_mask"), scores=scores, nonfinite=sum(p.nonfinite for p in parts),
                 mode=parts[0].mode, drop_ratio=parts[0].drop_ratio, scorer=parts[0].scorer,
+                selection=parts[0].selection, inclusion=inclusion,
                 buffer_bytes=max(p.buffer_bytes for p in parts), timings=timings, comm_bytes=comm, plan=[p.plan for p in parts], rank=parts[0].rank,
                 world_size=parts[0].world_size, plan_seconds=plan_s)
 
@@ -279,11 +281,13 @@ def ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weig
     E, H, I = ep.num_experts, hidden_TH.shape[1], gate_up_proj.shape[1] // 2
     header = [E, H, I, K, ep.experts_per_rank, crc(str(gate_up_proj.dtype)), crc(ep.placement), MODES.index(policy.mode),
               round(policy.drop_ratio * 1e9), crc(policy.scorer), crc(policy.quota), ep.cluster.slots_per_rank,
-              crc(repr((sorted(policy.quota_kwargs.items()), sorted(policy.scorer_kwargs.items())))),
+              crc(repr((sorted(policy.quota_kwargs.items()), sorted(policy.scorer_kwargs.items()), policy.phi,
+                        policy.selection))),
               crc(ep.planner_signature())]
     readable = [E, H, I, K, ep.experts_per_rank, gate_up_proj.dtype, ep.placement, policy.mode, policy.drop_ratio,
                 policy.scorer, policy.quota, ep.cluster.slots_per_rank,
-                (sorted(policy.quota_kwargs.items()), sorted(policy.scorer_kwargs.items())), ep.planner_signature()]
+                (sorted(policy.quota_kwargs.items()), sorted(policy.scorer_kwargs.items()), policy.phi, policy.selection),
+                ep.planner_signature()]
     demand_GE = gather_demand(ep, torch.bincount(idx.reshape(-1), minlength=E), header, readable)
     dims = ep.dims(H, I, K, gate_up_proj.element_size())
     prev_state = ep.state

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from ..experts import (acc_dtype, autocast_inputs, autocast_off, buffer_bytes, check_routing_shapes,
-                       expert_backward, swiglu)
+                       expert_backward, row_weights, swiglu)
 from ..kernels.grouped_gemm import grouped_mm
 from ..kernels.routing import count_by_value, sort_pairs_by_expert, sum_rows_by_token
 from ..planning.plan import Plan
@@ -187,14 +187,16 @@ class VirtualEPExperts(torch.autograd.Function):
             grad_alpha = torch.bmm(O_TKH.to(acc), g_TH.to(acc).unsqueeze(-1)).squeeze(-1).to(alpha_TK.dtype)
 
         # Selection per source rank, on the gradient that rank sees (G x dL/dy, see the module docstring).
-        scores, keeps = [], []
+        scores, keeps, incls = [], [], []
         for r in range(G):
             sl = slice(call.bounds[r], call.bounds[r + 1])
-            s_r, k_r = select_pairs(call.policies[r], call.layouts[r], call.send_pairs[r], alpha_TK[sl], g_TH[sl] * G,
+            s_r, k_r, i_r = select_pairs(call.policies[r], call.layouts[r], call.send_pairs[r], alpha_TK[sl], g_TH[sl] * G,
                                     None if phi_TK is None else phi_TK[sl], hidden_TH[sl], idx_TK[sl])
             scores.append(s_r)
             keeps.append(k_r)
+            incls.append(i_r)
         keep_P = torch.cat(keeps)
+        incl_P = torch.cat(incls) if incls[0] is not None else None
         scores_TK = torch.cat(scores) if scores[0] is not None else None
 
         # The kept rows (expert-major, as computed in forward) through the expert backward.
@@ -203,7 +205,8 @@ class VirtualEPExperts(torch.autograd.Function):
         offs_k = torch.cumsum(count_by_value(idx_TK.reshape(-1).index_select(0, rows_k), E), 0).to(torch.int32)
         acc = acc_dtype(g_TH, alpha_TK)
         G_k = g_TH.index_select(0, rows_k // K).to(acc).mul_(
-            alpha_TK.reshape(-1).index_select(0, rows_k).to(acc).unsqueeze(1)).to(gate_up.dtype)
+            row_weights(alpha_TK.reshape(-1), acc, keep_P, incl_P).index_select(0, rows_k).unsqueeze(1)
+        ).to(gate_up.dtype)
         if G_k.shape[0]:
             dX, dW_gu, dW_d = expert_backward(G_k, GU.index_select(0, kept_rows), X.index_select(0, kept_rows), offs_k,
                                               gate_up, down, backend=call.policies[0].backend)
@@ -225,6 +228,8 @@ class VirtualEPExperts(torch.autograd.Function):
                              kept=count_by_value(idx_TK.reshape(-1), E, weights=keep_P), kept_mask=keep_P.view(T, K),
                              scores=scores_TK, nonfinite=nonfinite, mode=pol.mode, drop_ratio=pol.drop_ratio,
                              scorer=None if scores_TK is None else pol.scorer,
+                             selection=None if scores_TK is None else pol.selection,
+                             inclusion=None if incl_P is None else incl_P.view(T, K),
                              buffer_bytes=buffer_bytes(G_k.shape[0], gate_up.shape[2], gate_up.shape[1] // 2,
                                                        G_k.element_size()),
                              timings={}, plan=call.plan, world_size=G, plan_seconds=call.plan_seconds)
@@ -251,8 +256,10 @@ def _merge(target: BackwardRecord, parts: list[BackwardRecord], tokens: torch.Te
     order = torch.argsort(tokens)
     cat = lambda name: torch.cat([getattr(p, name) for p in parts]).index_select(0, order)  # noqa: E731
     scores = cat("scores") if all(p.scores is not None for p in parts) else None
+    inclusion = cat("inclusion") if all(p.inclusion is not None for p in parts) else None
     target.fill(demand=sum(p.demand for p in parts), quota=sum(p.quota for p in parts),
                 kept=sum(p.kept for p in parts), kept_mask=cat("kept_mask"), scores=scores,
+                selection=parts[0].selection, inclusion=inclusion,
                 nonfinite=sum(p.nonfinite for p in parts), mode=parts[0].mode, drop_ratio=parts[0].drop_ratio,
                 scorer=parts[0].scorer, buffer_bytes=max(p.buffer_bytes for p in parts), timings={},
                 plan=[p.plan for p in parts], world_size=parts[0].world_size,

@@ -54,6 +54,8 @@ class TrainConfig:
     quota: str = "waterfill"
     mode: str = "compact"
     policy_seed: int | None = None
+    phi: str = "h"
+    selection: str = "top"
     # run
     seed: int = 0
     device: str = "auto"
@@ -98,7 +100,11 @@ class TrainConfig:
         "scorer": "pair scorer: lrm, lrm_input, grad_norm, abs_grad, random",
         "quota": "quota policy: waterfill, proportional",
         "mode": "backward mode: compact (LRMoE), mask (zero-masked), full (no selection)",
-        "policy_seed": "seed of the random scorer's generator (default: seed)",
+        "policy_seed": "seed of the random scorer's and the sampled selection's generator (default: seed)",
+        "phi": "activation norm of the lrm score: h (down-projection input, the paper's), x (expert input), "
+               "both (sum of both terms)",
+        "selection": "how each expert's quota is filled: top (highest scores, the paper's rule) or sample "
+                     "(unbiased: drawn with probability ~ sqrt(score), kept rows scaled by 1/probability)",
         "seed": "seed of model initialisation and of the batch order",
         "device": "auto, cpu, cuda, cuda:N",
         "dtype": "auto (bf16 autocast on GPU, fp32 on CPU), fp32, bf16 (autocast)",
@@ -297,7 +303,7 @@ class TrainConfig:
 
         seed = self.seed if self.policy_seed is None else self.policy_seed
         return BackwardPolicy(drop_ratio=self.drop_ratio, scorer=self.scorer, quota=self.quota, mode=self.mode,
-                              seed=seed)
+                              seed=seed, phi=self.phi, selection=self.selection)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
