@@ -116,6 +116,10 @@ def test_forward_matches_eager_fp32(preset, over):
         torch.testing.assert_close(p.grad, gr[n].grad, rtol=1e-3, atol=1e-5, msg=lambda m: f"{n}: {m}")
 
 
+# measured here (largest relative norm error over the parameters): bf16 1.0-1.4e-2, fp16 1.5-2.3e-3
+GRAD_TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2}
+
+
 def _assert_grads_near(ref, ours, tol, what):
     """Every gradient of ``ours`` within ``tol`` of ``ref``'s, in norm relative to ``ref``'s
     (low precision: element-wise rounding differences of one ulp are not errors)."""
@@ -140,7 +144,7 @@ def test_low_precision_weights_match_eager(preset, dtype):
     assert lb.logits.dtype == la.logits.dtype == dtype
     torch.testing.assert_close(lb.logits.float(), la.logits.float(), rtol=3e-2, atol=3e-2)
     assert abs(float(lb.loss.detach()) - float(la.loss.detach())) < 2e-2
-    _assert_grads_near(ref, ours, 3e-2, str(dtype))
+    _assert_grads_near(ref, ours, GRAD_TOL[dtype], str(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -162,7 +166,7 @@ def test_cpu_autocast_matches_grouped_mm(preset, dtype):
     a, b = out
     torch.testing.assert_close(b.logits.float(), a.logits.float(), rtol=5e-2, atol=5e-2)
     assert abs(float(b.loss.detach()) - float(a.loss.detach())) < 2e-2
-    _assert_grads_near(ref, ours, 3e-2, f"autocast {dtype}")
+    _assert_grads_near(ref, ours, GRAD_TOL[dtype], f"autocast {dtype}")
 
 
 def test_packed_documents_do_not_attend_to_each_other():
