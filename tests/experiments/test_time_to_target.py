@@ -82,12 +82,18 @@ def test_t3_and_f4_from_run_folders(tmp_path, monkeypatch):
     assert [r["step"] for r in m["fixed"]["reach"]] == want
     symi = [w + 2 if w + 2 <= STEPS else None for w in want]  # the last target: past SYMI's run
     assert [r["step"] for r in m["symi"]["reach"]] == symi and symi[-1] is None
-    assert "not reached" in (tmp_path / "tables" / "T3_time_to_target.md").read_text()
+    assert "(SYMI not reached)" in (tmp_path / "tables" / "T3_time_to_target.md").read_text()
     for j, w in enumerate(want):
         assert m["lrmoe"]["reach"][j]["measured_s"] == pytest.approx(0.5 * w)
-        if symi[j] is None:
+        if symi[j] is None:  # SYMI needs more than its whole run (12 steps x 1 s): a lower bound
             assert m["lrmoe"]["reach"][j]["measured_vs_symi_pct"] is None
+            assert m["lrmoe"]["reach"][j]["measured_vs_symi_pct_at_least"] == pytest.approx(100 * (1 - 0.5 * w / 12))
             continue
+        assert m["lrmoe"]["reach"][j]["measured_vs_symi_pct_at_least"] is None
+        no_plan = [m[pl]["reach"][j]["simulated_no_planning_s"] for pl in ("lrmoe", "symi")]
+        assert 0 < no_plan[0] <= m["lrmoe"]["reach"][j]["simulated_s"]
+        assert m["lrmoe"]["reach"][j]["simulated_no_planning_vs_symi_pct"] == pytest.approx(
+            100 * (1 - no_plan[0] / no_plan[1]))
         assert m["lrmoe"]["reach"][j]["measured_vs_symi_pct"] == pytest.approx(100 * (1 - 0.5 * w / (w + 2)))
         assert m["ultraep"]["reach"][j]["measured_vs_symi_pct"] == pytest.approx(100 * (1 - 1.2 * w / (w + 2)))
         sim = [m[pl]["reach"][j]["simulated_s"] for pl in ("lrmoe", "symi")]
