@@ -11,10 +11,11 @@ def expert_ref(x_H, gate_up_2IH, down_HI):
     return down_HI @ h, h
 
 
-def moe_loop(x_TH, idx_TK, w_TK, gate_up, down, kept_TK=None):
+def moe_loop(x_TH, idx_TK, w_TK, gate_up, down, kept_TK=None, scale_TK=None):
     """y_t = sum_k w_tk * expert(x_t); pairs with kept_TK False keep their forward value and their
     router gradient but contribute nothing to the expert weights' or the inputs' gradient through
-    the expert (exactly LRMoE's semantics). Returns (y_TH, h_norm2_TK)."""
+    the expert (exactly LRMoE's semantics); a kept pair's gradient through the expert is multiplied
+    by ``scale_TK`` when given (the 1/pi of a sampled selection). Returns (y_TH, h_norm2_TK)."""
     T, K = idx_TK.shape
     rows, h2 = [], torch.zeros(T, K, dtype=torch.float64)
     for t in range(T):
@@ -25,6 +26,8 @@ def moe_loop(x_TH, idx_TK, w_TK, gate_up, down, kept_TK=None):
             h2[t, k] = (h.detach().double() ** 2).sum()
             if kept_TK is not None and not bool(kept_TK[t, k]):
                 o = o.detach()
+            elif scale_TK is not None:  # value o, gradient scale * do
+                o = o * float(scale_TK[t, k]) + (o * (1 - float(scale_TK[t, k]))).detach()
             acc = acc + w_TK[t, k] * o
         rows.append(acc)
     return torch.stack(rows), h2
@@ -75,11 +78,11 @@ def run_lrmoe(case, policy):
     return y.detach(), [t.grad for t in leaves], rec
 
 
-def run_loop(case, kept=None):
+def run_loop(case, kept=None, scale=None):
     """(y, [grad of x, weights, gate_up, down], ||h||^2) of :func:`moe_loop` on the same case."""
     x, idx, w, gu, dn, dy = case
     leaves = [t.clone().requires_grad_() for t in (x, w, gu, dn)]
-    y, h2 = moe_loop(leaves[0], idx, leaves[1], leaves[2], leaves[3], kept)
+    y, h2 = moe_loop(leaves[0], idx, leaves[1], leaves[2], leaves[3], kept, scale)
     y.backward(dy)
     return y.detach(), [t.grad for t in leaves], h2
 
