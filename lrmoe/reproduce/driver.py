@@ -290,7 +290,10 @@ def _finish(p, out, runs, pending, failures, wall, jobs, only, figures, at_start
             print(f"{p.prog}: the figures were not made: {e}", file=sys.stderr)
             return 1
         print(f"figures and tables: {len(written)} files under {out}/tables and {out}/figures", file=sys.stderr)
-        if reference is not None:
+        if reference is None:
+            print(f"no comparison: no reference folder (--reference none, --out is the reference itself, or "
+                  f"{default_reference(p.name)}/ holds no manifest.json)", file=sys.stderr)
+        else:
             from .compare import compare, render_markdown, write_comparison
 
             try:
