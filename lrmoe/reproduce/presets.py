@@ -89,8 +89,9 @@ PRESETS: dict[str, Preset] = {
         # E3: the same small models with the paper's 128 experts and top-8 routing (so that their traces
         # replay at the paper's dimensions), moe_intermediate 32 (top-8 x 32 = the E1 models' top-4 x 64
         # active expert width), 8 virtual EP ranks as the paper's EP8 (1 row of 256 tokens per rank)
+        # (no per-expert logging: 128 experts would triple the metrics files; the routing trace has the demand)
         e3=dict(seeds=(0,), config=dict(virtual_ep=8, steps=100, warmup_steps=10, eval_interval=50,
-                                        checkpoint_interval=50),
+                                        checkpoint_interval=50, sample_layers=[]),
                 model_overrides={"qwen3": {"num_local_experts": 128, "num_experts_per_tok": 8,
                                            "moe_intermediate_size": 32},
                                  "glm4": {"n_routed_experts": 128, "num_experts_per_tok": 8,
