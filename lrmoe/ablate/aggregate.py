@@ -347,8 +347,8 @@ def _paper_panel(ax, fams, colors, series_keys) -> None:
 # ----------------------------------------------------------------------------- all
 
 
-def write_all(g: Grid, out, warn=print) -> list[Path]:
-    """ablation.json, the tables and the figures of ``g`` from the run files under ``out``."""
+def write_all(g: Grid, out, warn=print, figures: bool = True) -> list[Path]:
+    """ablation.json, the tables and (``figures``) the figures of ``g`` from the run files under ``out``."""
     out = Path(out)
     a = analyse(g, out)
     if a["damaged"]:
@@ -359,7 +359,7 @@ def write_all(g: Grid, out, warn=print) -> list[Path]:
     (out / "tables").mkdir(parents=True, exist_ok=True)
     files += [write_text(out / "tables" / f"{g.name}.md", "\n".join(md).rstrip() + "\n"),
               write_text(out / "tables" / f"{g.name}.tex", _tex(tex))]
-    for k in g.metrics:
+    for k in g.metrics if figures else ():
         if any(e["metrics"][k]["n"] for e in a["effects"]):
             files += figure(a, g, k, out)
     return files

@@ -20,6 +20,7 @@ def _options(p) -> None:
     p.add_argument("--data", default=None, help="Alpaca source for every run (default: the preset's)")
     p.add_argument("--jobs", type=int, default=None, help="runs in parallel (default: the grid's)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--no-figures", action="store_true", help="tables and ablation.json only")
 
 
 def register_cli(sub) -> None:
@@ -53,7 +54,7 @@ def _cli(args) -> int:
 
     try:
         return ablate(args.grid, args.out, args.only, args.dry_run, args.data, args.jobs,
-                      progress=not args.no_progress)
+                      progress=not args.no_progress, figures=not args.no_figures)
     except UsageError as e:  # a bad grid or argument: one line, no traceback
         print(f"lrmoe ablate: {e}", file=sys.stderr)
         return 2

@@ -279,6 +279,8 @@ def parse_grid(doc: dict, file: str = "<grid>") -> Grid:
         fam = combo.get("family", fam_default)
         cfg = _config(p, base, fam, {k: v for k, v in combo.items() if k != "family"})
         _validate(fail, f"run {label}", cfg)
+        if cfg.get("drop_ratio") == 0:  # selects nothing: the selection-only options at the preset's
+            cfg = _baseline_config(p, base, cfg, {})
         bcfg = _baseline_config(p, base, cfg, base_opts)
         _validate(fail, f"[baseline] of run {label}", bcfg)
         if cfg == bcfg:  # the run is its own baseline (e.g. drop_ratio 0 on an axis)

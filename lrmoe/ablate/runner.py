@@ -30,9 +30,9 @@ def default_out(g: Grid) -> Path:
 
 
 def ablate(grid, out_dir=None, only: str | None = None, dry_run: bool = False, data: str | None = None,
-           jobs: int | None = None, progress: bool = True) -> int:
+           jobs: int | None = None, progress: bool = True, figures: bool = True) -> int:
     """Run every pending run of ``grid`` (a file, a grid name, or a :class:`Grid`) into ``out_dir``
-    (default ``results/ablations/<grid name>/``), then write its tables and figures. Exit codes
+    (default ``results/ablations/<grid name>/``), then write its tables and (``figures``) figures. Exit codes
     and refusals are `lrmoe reproduce`'s (:func:`lrmoe.reproduce.driver.reproduce`); a bad grid or
     argument raises :class:`lrmoe.runs.UsageError` before anything is written."""
     g = grid if isinstance(grid, Grid) else load_grid(find_grid(str(grid)))
@@ -42,7 +42,8 @@ def ablate(grid, out_dir=None, only: str | None = None, dry_run: bool = False, d
         from .aggregate import write_all
 
         try:
-            written = write_all(g, folder, warn=lambda msg: print(f"lrmoe ablate: {msg}", file=sys.stderr))
+            written = write_all(g, folder, warn=lambda msg: print(f"lrmoe ablate: {msg}", file=sys.stderr),
+                                figures=figures)
         except OSError as e:
             print(f"lrmoe ablate: the tables were not made: {e}", file=sys.stderr)
             return 1
