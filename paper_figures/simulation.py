@@ -116,7 +116,8 @@ def fallback_summary(counts: dict) -> str:
     return ", ".join(parts)
 
 
-def f3_rows(result: dict, paper: dict) -> tuple[list[str], list[list[str]]]:
+def f3_rows(result: dict, paper: dict, key: str = "relative") -> tuple[list[str], list[list[str]]]:
+    """F3 cells: ``key`` "relative" (planning's host time included) or "relative_without_planning"."""
     pressures = list(next(iter(result["methods"].values()))["throughput"])
     vals = paper.get("F3", {}).get("values", {})
     head = ["method"] + [f"{k}x (% of LRMoE)" for k in pressures] + \
@@ -128,7 +129,7 @@ def f3_rows(result: dict, paper: dict) -> tuple[list[str], list[list[str]]]:
         fb = fallback_summary(last["fallbacks"])
         kept = [tp[k].get("kept_backward_share") for k in (pressures[0], pressures[-1])]
         kept_s = " / ".join(_f(None if v is None else 100 * v, 1) for v in kept)
-        rows.append([name] + [_f(100 * tp[k]["relative"], 1) for k in pressures] +
+        rows.append([name] + [_f(100 * tp[k][key], 1) if key in tp[k] else "—" for k in pressures] +
                     [kept_s, fb, _f(vals.get(PAPER_NAMES.get(name)), 1)])
     return head, rows
 
@@ -179,11 +180,17 @@ def make_tables(result: dict, paper: dict, out: Path) -> list[Path]:
         if "F3" in want:
             head, rows = f3_rows(result, paper)
             tables.append(("F3", f"F3 {name}: effective throughput (useful pairs per second) relative to LRMoE "
-                                 "at the same pressure", head, rows))
+                                 "at the same pressure, the planners' host time included", head, rows))
+            head, rows = f3_rows(result, paper, "relative_without_planning")
+            tables.append(("F3-no-planning", f"F3 {name}: the same, planning time excluded (the planners' host "
+                                             "time left out of every method's step)", head, rows))
     paths = []
     d = Path(out) / "tables"
     for key, title, head, rows in tables:
         stem = f"{key}_{name}"
+        label = _label(result)
+        if key.endswith("no-planning"):
+            label = label.replace("planning: median host time included", "planning excluded")
         paths.append(write_text(d / f"{stem}.md", f"**{title}**\n\n{_table(head, rows)}\n\n{label}\n"))
         paths.append(write_text(d / f"{stem}.tex", _tex(f"{title}. {label}", head, rows)))
     return paths
@@ -203,9 +210,14 @@ def make_figures(result: dict, paper: dict, out: Path) -> list[Path]:
         ax.set_ylabel("MoE-layer time per layer (ms, mean)")
         stem = f"F5_{name}"
     elif "throughput" in next(iter(result["methods"].values())) and len(result["scenario"]["pressures"]) > 1:
-        for n, m in result["methods"].items():
+        for i, (n, m) in enumerate(result["methods"].items()):
             ks = list(m["throughput"])
-            ax.plot([float(k) for k in ks], [100 * m["throughput"][k]["relative"] for k in ks], marker="o", label=n)
+            color = f"C{i}"
+            ax.plot([float(k) for k in ks], [100 * m["throughput"][k]["relative"] for k in ks], marker="o", label=n,
+                    color=color)
+            if all("relative_without_planning" in m["throughput"][k] for k in ks) and n != "lrmoe":
+                ax.plot([float(k) for k in ks], [100 * m["throughput"][k]["relative_without_planning"] for k in ks],
+                        ls="--", marker=".", color=color, label=f"{n} (planning excluded)")
         vals = paper.get("F3", {}).get("values", {})
         for n in result["methods"]:
             if PAPER_NAMES.get(n) in vals:

@@ -2,6 +2,8 @@
 
     lrmoe simulate --list
     lrmoe simulate calibrate                             # measure this machine: results/sim/cpu-local.json
+    lrmoe simulate record-trace --run RUN_DIR --out t.npz  # a trained model's routing on its data
+    lrmoe simulate trace-stats t.npz lognormal hot_rank  # skew and drift of traces / workloads, side by side
     lrmoe simulate --scenario paper-qwen3 --out results/sim/paper-qwen3
     lrmoe simulate --scenario paper                      # the four paper scenarios, results/sim/<name>/
     lrmoe simulate --scenario pressure-glm --trace my_trace.npz --hardware h200-sxm
@@ -24,9 +26,19 @@ PAPER_SET = ("paper-qwen3", "paper-glm", "pressure-qwen3", "pressure-glm")
 def register_cli(sub) -> None:
     ap = sub.add_parser("simulate", help="simulate the paper's system results (T4, T5, F3, F5) on a hardware model",
                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("action", nargs="?", choices=["calibrate"], default=None,
+    ap.add_argument("action", nargs="?", choices=["calibrate", "record-trace", "trace-stats"], default=None,
                     help="calibrate: measure this machine (2 gloo processes) into the cpu-local preset "
-                         "(OUT/cpu-local.json, OUT default results/sim) and exit")
+                         "(OUT/cpu-local.json, OUT default results/sim); record-trace: the routing of the model "
+                         "of --run on its data into the trace file --out; trace-stats: skew and drift of the "
+                         "traces and workloads named after it (OUT/trace_stats.json + .md)")
+    ap.add_argument("items", nargs="*", metavar="TRACE",
+                    help="trace-stats: trace files (.npz) or synthetic workload names")
+    ap.add_argument("--run", type=Path, default=None, help="record-trace: an lrmoe train run folder")
+    ap.add_argument("--ranks", type=int, default=8, help="record-trace: source ranks (8)")
+    ap.add_argument("--rows-per-rank", type=int, default=1, help="record-trace: packed rows per rank per step (1)")
+    ap.add_argument("--split", choices=["train", "heldout"], default="train", help="record-trace: data split")
+    ap.add_argument("--tokens-per-rank", type=int, default=32768,
+                    help="trace-stats: tokens per rank of the named workloads (32768, the paper's)")
     ap.add_argument("--list", action="store_true", help="name the scenarios and hardware presets, then exit")
     ap.add_argument("--scenario", default=None, metavar="NAME",
                     help="a scenario of --list, 'paper' (the four paper scenarios) or 'all'")
@@ -59,6 +71,12 @@ def run(args) -> int:
         from ..bench.simulator import main as bench_main
         bench_main(["--calibrate-only", "--calibration", str(args.out / "cpu-local.json")])
         return 0
+    if args.action == "record-trace":
+        return _record_trace(args)
+    if args.action == "trace-stats":
+        return _trace_stats(args)
+    if args.items:
+        return _fail(f"unexpected arguments {args.items}; only trace-stats takes traces")
     if args.list:
         from .scenarios import SCENARIOS
         for name, sc in SCENARIOS.items():
@@ -123,3 +141,76 @@ def run(args) -> int:
     if len(scenarios) > 1:
         print(f"[simulate] {len(scenarios)} scenarios in {time.perf_counter() - t_all:.1f} s", file=sys.stderr)
     return 0
+
+
+def _record_trace(args) -> int:
+    if args.run is None:
+        return _fail("record-trace needs --run RUN_DIR (an lrmoe train run with a checkpoint)")
+    if args.out.suffix != ".npz":
+        return _fail(f"record-trace --out must be a .npz trace file, got {args.out}")
+    steps = 32 if args.steps is None else args.steps
+    from ..train.model_trace import record_model_trace
+    from .trace import save_trace, trace_stats
+    try:
+        tr = record_model_trace(args.run, num_ranks=args.ranks, steps=steps, rows_per_rank=args.rows_per_rank,
+                                split=args.split,
+                                progress=lambda s, n: print(f"[record-trace] step {s}/{n}", file=sys.stderr, flush=True))
+    except ValueError as e:
+        return _fail(str(e))
+    save_trace(args.out, tr)
+    st = trace_stats(tr)
+    print(f"[record-trace] {args.out}: [steps, layers, ranks, experts] {list(tr.counts.shape)}; fixed-ownership "
+          f"rank max/mean median {st['rank_max_mean']['median']:.2f}, expert max/mean median "
+          f"{st['expert_max_mean']['median']:.2f}", file=sys.stderr)
+    return 0
+
+
+def _trace_stats(args) -> int:
+    if args.out.exists() and not args.out.is_dir():
+        return _fail(f"--out {args.out} is a file; give a folder")
+    if not args.items:
+        return _fail("trace-stats needs trace files (.npz) or workload names; workloads: " + ", ".join(_workloads()))
+    from ..files import write_json, write_text
+    from .trace import load_trace, trace_stats
+    rows, out = [], {}
+    for item in args.items:
+        try:
+            if item.endswith(".npz"):
+                tr = load_trace(Path(item))
+            else:
+                tr = _paper_workload(item, args)
+        except (OSError, ValueError) as e:
+            return _fail(f"{item}: {e}")
+        st = trace_stats(tr)
+        st.pop("per_step_layer", None)
+        out[item] = {"meta": dict(tr.meta), "shape": list(tr.counts.shape), "stats": st}
+        rows.append([item, tr.meta.get("source", ""), "x".join(map(str, tr.counts.shape)),
+                     f"{tr.meta['tokens_per_rank']:g}"] +
+                    [f"{st[k]['median']:.2f} ({st[k]['max']:.2f})" for k in ("rank_max_mean", "expert_max_mean")] +
+                    [f"{st['gini']['median']:.2f}", f"{st['drift_tv']['median']:.3f}" if st["drift_tv"]["median"]
+                     is not None else "—"])
+    head = ["trace", "source", "steps x layers x ranks x experts", "tokens per rank", "rank max/mean, median (max)",
+            "expert max/mean, median (max)", "expert Gini", "step-to-step TV"]
+    table = "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] +
+                       ["| " + " | ".join(r) + " |" for r in rows])
+    print(table)
+    if args.out.exists() and not args.out.is_dir():
+        return _fail(f"--out {args.out} is a file; give a folder")
+    write_json(args.out / "trace_stats.json", out)
+    write_text(args.out / "trace_stats.md", table + "\n")
+    print(f"[trace-stats] wrote {args.out / 'trace_stats.json'} and trace_stats.md", file=sys.stderr)
+    return 0
+
+
+def _workloads() -> list[str]:
+    from .workloads import WORKLOADS
+    return list(WORKLOADS.names())
+
+
+def _paper_workload(name: str, args):
+    """A synthetic workload at the paper's setting (EP8, 128 experts, top-8, 32,768 tokens per rank)."""
+    from .workloads import synthetic_trace
+    if name not in _workloads():
+        raise ValueError(f"not a trace file (.npz) nor a workload; workloads: {', '.join(_workloads())}")
+    return synthetic_trace(name, steps=args.steps or 32, layers=args.layers or 48, num_ranks=args.ranks,
+                           num_experts=128, tokens_per_rank=args.tokens_per_rank, top_k=8, seed=0)

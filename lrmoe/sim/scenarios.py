@@ -160,12 +160,15 @@ def run_scenario(sc: Scenario, trace=None, *, hardware=None, include_planning: b
                        progress=lambda name, s, n: say(f"  {name}: step {s}/{n}"))
         best = max(m["pairs_per_s"] for m in res["methods"].values()) or 1.0
         lrmoe = res["methods"].get("lrmoe", {}).get("pairs_per_s") or best
+        lrmoe_np = res["methods"].get("lrmoe", {}).get("pairs_per_s_without_planning") or 1.0
         for name, m in res["methods"].items():
             entry = methods.setdefault(name, m)  # the first pressure's (1x) results, + throughput per pressure
             entry.setdefault("throughput", {})[f"{k:g}"] = {
                 "pairs_per_s": m["pairs_per_s"], "relative": m["pairs_per_s"] / lrmoe,
                 "relative_to_best": m["pairs_per_s"] / best, "fallbacks": m["fallbacks"], "oom": m["oom"],
                 "useful_share": m["useful_share"],
+                "pairs_per_s_without_planning": m["pairs_per_s_without_planning"],
+                "relative_without_planning": m["pairs_per_s_without_planning"] / lrmoe_np,
                 "kept_backward_share": m["pairs"]["kept_backward"] / m["pairs"]["routed"] if m["pairs"]["routed"] else None}
     return {"scenario": dataclasses.asdict(sc) | {"methods": [dataclasses.asdict(m) for m in sc.methods]},
             "hardware": dataclasses.asdict(hw), "trace": dict(trace.meta) | {"shape": list(counts.shape)},

@@ -153,6 +153,8 @@ def run_method(method: Method, counts_SLGE: np.ndarray, cluster: Cluster, dims: 
         "replicas_per_plan": replicas / ran if ran else None,
         "moe_seconds": total_s,
         "pairs_per_s": useful / total_s if total_s > 0 else 0.0,
+        "pairs_per_s_without_planning": useful / (total_s - ran * plan_charge / 1e3)
+        if total_s - ran * plan_charge / 1e3 > 0 else 0.0,
     }
 
 

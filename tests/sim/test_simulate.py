@@ -67,6 +67,8 @@ def test_planning_is_charged_at_its_median_host_time():
     assert with_p["planning_ms_per_layer"] == charge > 0 and with_p["phases_ms"]["forward"]["plan"] == charge
     assert with_p["forward_ms_per_layer"] == pytest.approx(without["forward_ms_per_layer"] + charge)
     assert with_p["backward_ms_per_layer"] == without["backward_ms_per_layer"]
+    assert with_p["pairs_per_s_without_planning"] == pytest.approx(without["pairs_per_s"])
+    assert with_p["pairs_per_s"] < without["pairs_per_s"]
 
 
 def test_split_plans_run_every_piece_and_oom_runs_nothing():
