@@ -53,7 +53,7 @@ def _header(res: Results, key: str, title: str, paper_scale: str) -> list[str]:
     return lines
 
 
-def _md_table(head: list[str], rows: list[list[str]]) -> str:
+def md_table(head: list[str], rows: list[list[str]]) -> str:
     out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     out += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(out)
@@ -66,7 +66,7 @@ def _tex_escape(s: str) -> str:
     return s.replace("*", "")
 
 
-def _tex_table(caption: str, label: str, head: list[str], rows: list[list[str]]) -> str:
+def tex_table(caption: str, label: str, head: list[str], rows: list[list[str]]) -> str:
     cols = "l" * 2 + "r" * (len(head) - 2)
     lines = [r"\begin{table}[t]", r"\centering", r"\small", rf"\begin{{tabular}}{{{cols}}}", r"\toprule",
              " & ".join(_tex_escape(h) for h in head) + r" \\", r"\midrule"]
@@ -76,7 +76,7 @@ def _tex_table(caption: str, label: str, head: list[str], rows: list[list[str]])
     return "\n".join(lines)
 
 
-def _write(out: Path, stem: str, md_lines: list[str], tex: str) -> list[Path]:
+def write_table(out: Path, stem: str, md_lines: list[str], tex: str) -> list[Path]:
     d = out / "tables"
     d.mkdir(parents=True, exist_ok=True)
     md, tx = d / f"{stem}.md", d / f"{stem}.tex"
@@ -169,10 +169,10 @@ def make_t1(res: Results, paper: dict, out: Path) -> list[Path]:
              f"(the paper reports Qwen3 only; its Δ% column is computed from its PPL values, it states +0.106 % for C30)")
     md = _header(res, "T1", "Convergence by backward drop level (LRM scorer, waterfill quotas): mean per-token "
                              "training perplexity over the final 10 % of steps", scale)
-    md += [_md_table(head, rows), ""]
+    md += [md_table(head, rows), ""]
     cap = (f"T1: convergence by drop level. Measured: preset {res.preset_name}, {res.scale()}, {res.hardware()}. "
            f"Paper: {scale}.")
-    return _write(out, "T1_convergence", md, _tex_table(cap, "tab:t1", head, rows))
+    return write_table(out, "T1_convergence", md, tex_table(cap, "tab:t1", head, rows))
 
 
 # ----------------------------------------------------------------------------- T2
@@ -248,7 +248,7 @@ def make_t2(res: Results, paper: dict, out: Path) -> list[Path]:
     md = _header(res, "T2", "Scorer ablation: ΔPPL vs C0 of the same seed (mean ± sample std (n−1) over seeds, "
                             "n = seeds)",
                  scale)
-    md += [_md_table(head, rows), "",
+    md += [md_table(head, rows), "",
            "Δloss (mean over all steps): the training-loss difference to the C0 run of the same seed, averaged "
            "over every step (the area between the two loss curves divided by the steps, in nats), then mean ± "
            "sample std over seeds; it weighs the whole run, where the ΔPPL columns weigh its final 10 %.", ""]
@@ -256,5 +256,5 @@ def make_t2(res: Results, paper: dict, out: Path) -> list[Path]:
     cap = (f"T2: scorer ablation, mean ± sample standard deviation (n−1) over seeds of the PPL difference to C0. "
            f"Tables use booktabs. Measured: preset "
            f"{res.preset_name}, {res.scale()}, {res.hardware()}. Paper: {scale}.")
-    return _write(out, "T2_scorer_ablation", md, _tex_table(cap, "tab:t2", head, rows))
+    return write_table(out, "T2_scorer_ablation", md, tex_table(cap, "tab:t2", head, rows))
 

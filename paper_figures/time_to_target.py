@@ -43,7 +43,7 @@ from lrmoe.files import read_json, write_json
 
 from .figures import pyplot, save_figure
 from .results import FAMILY_NAMES, Results, Run
-from .tables import _md_table, _tex_table, _write
+from .tables import md_table, tex_table, write_table
 
 TARGET_FRACTIONS = (0.5, 0.75, 0.9)
 SMOOTH_FRACTION = 0.05
@@ -86,7 +86,9 @@ def e3_runs(res: Results) -> dict[str, dict[str, Run]]:
     without one, any run with ``virtual_ep`` or ``ep`` > 1)."""
     out: dict[str, dict[str, Run]] = {}
     tagged = any("E3" in r.experiments for r in res.runs.values())
-    for r in sorted(res.runs.values(), key=lambda r: (r.seed, r.name)):
+    fams = list(FAMILY_NAMES)  # qwen3, then glm4, then any other family
+    for r in sorted(res.runs.values(), key=lambda r: (fams.index(r.family) if r.family in fams else len(fams),
+                                                       r.family, r.seed, r.name)):
         is_e3 = "E3" in r.experiments if tagged else max(r.config.get("virtual_ep", 1), r.config.get("ep", 1)) > 1
         if is_e3 and r.done:
             out.setdefault(r.family, {}).setdefault(r.config.get("placement", "?"), r)
@@ -304,14 +306,14 @@ def make_t3(res: Results, paper: dict, out: Path, say=None) -> list[Path] | None
           f"(measured here), and without.  ",
           f"*vs SYMI*: 100 × (1 − time / SYMI's time) at the same target; where SYMI never reaches it, a lower bound "
           f"from SYMI's whole run (\"> x\").  ",
-          f"*Paper*: {paper_line}.", "", _md_table(head, rows), "",
+          f"*Paper*: {paper_line}.", "", md_table(head, rows), "",
           "What this can and cannot claim: the steps come from real training with each method's semantics (forward "
           "drops, backward quotas) at cpu scale; the simulated minutes combine those steps with the run's routing "
           "replayed at the paper's scale, whose skew at 256 tokens per rank carries more sampling noise than the "
           "paper's 32,768. Neither is the paper's measurement: T3 at paper scale needs the 8-GPU runs.", ""]
     write_json(out / "tables" / "T3_time_to_target.json", {"families": data, "paper": p})
     cap = f"T3: time to fixed loss targets per method. Trained: preset {res.preset_name}. Paper: {paper_line}."
-    return _write(out, "T3_time_to_target", md, _tex_table(cap, "tab:t3", head, rows)) + [
+    return write_table(out, "T3_time_to_target", md, tex_table(cap, "tab:t3", head, rows)) + [
         out / "tables" / "T3_time_to_target.json"]
 
 
@@ -339,8 +341,12 @@ def make_f4(res: Results, paper: dict, out: Path, say=None) -> list[Path] | None
             ax.set_title(f"{name}: {what}", fontsize=9)
             ax.set_xlabel(f"cumulative MoE-layer time ({unit})")
             ax.set_ylabel(f"training loss (trailing mean, {fam['window']} steps)")
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
+    handles = {}
+    for ax in axes.ravel():
+        handles.update(zip(*ax.get_legend_handles_labels()[::-1]))
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=len(handles), fontsize=8,
+               bbox_to_anchor=(0.5, -0.02))
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     files = save_figure(fig, out, "F4_loss_vs_moe_time")
     plt.close(fig)
     return files
