@@ -78,6 +78,7 @@ def analyse(g: Grid, out) -> dict:
             row["metrics"][k] = dict(estimate([vals[s] for s in sorted(vals)]).to_dict(), seeds=sorted(vals))
         effects.append(row)
     comparisons = []
+    paired = [k for k in g.metrics if get_metric(k).paired]
     for a, b in itertools.combinations(variants, 2):
         da, db = dict(a), dict(b)
         differ = [k for k in da if da[k] != db.get(k)]
@@ -86,7 +87,7 @@ def analyse(g: Grid, out) -> dict:
         axis = differ[0]
         comp = {"axis": axis, "a": da[axis], "b": db[axis],
                 "context": {k: v for k, v in da.items() if k != axis}, "metrics": {}}
-        for k in g.metrics:
+        for k in paired:
             sa, sb = seeds[k][a], seeds[k][b]
             common = sorted(set(sa) & set(sb))
             est = estimate([sa[s] - sb[s] for s in common])
@@ -130,12 +131,12 @@ def _num(v, digits: int, sign: bool = True) -> str:
     return (f"{v:+.{digits}f}" if sign else f"{v:.{digits}f}").replace("-", "−")
 
 
-def _cell(e: dict, digits: int) -> str:
+def _cell(e: dict, digits: int, sign: bool = True) -> str:
     if e["n"] == 0:
         return NOT_RUN
-    txt = _num(e["mean"], digits)
+    txt = _num(e["mean"], digits, sign)
     if e["lo"] is not None:
-        txt += f" [{_num(e['lo'], digits)}, {_num(e['hi'], digits)}]"
+        txt += f" [{_num(e['lo'], digits, sign)}, {_num(e['hi'], digits, sign)}]"
     return txt + f" (n={e['n']})"
 
 
@@ -165,18 +166,19 @@ def tables(a: dict, g: Grid) -> tuple[list[str], list[tuple[str, list, list]]]:
     rows = []
     for e in a["effects"]:
         row = [_label(k, e["variant"].get(k)) for k in varied]
-        row += [_cell(e["metrics"][k], get_metric(k).digits) for k in g.metrics]
+        row += [_cell(e["metrics"][k], get_metric(k).digits, get_metric(k).paired) for k in g.metrics]
         if show_paper:
             pv = paper_t2(e["variant"].get("family"), e["variant"].get("scorer"))
             row.append(_num(pv, 6, sign=False) if pv is not None else "—")
         rows.append(row)
-    chead = ["context", "option", "a vs b"] + [f"{get_metric(k).label}: a − b" for k in g.metrics] + ["ordering"]
+    paired = [k for k in g.metrics if get_metric(k).paired]
+    chead = ["context", "option", "a vs b"] + [f"{get_metric(k).label}: a − b" for k in paired] + ["ordering"]
     crow = []
     first = g.metrics[0]
     for c in a["comparisons"]:
         ctx = " ".join(_label(k, v) for k, v in c["context"].items())
         crow.append([ctx, c["axis"], f"{_label(c['axis'], c['a'])} vs {_label(c['axis'], c['b'])}"]
-                    + [_cell(c["metrics"][k], get_metric(k).digits) for k in g.metrics]
+                    + [_cell(c["metrics"][k], get_metric(k).digits) for k in paired]
                     + [c["metrics"][first]["ordering"]])
     md = [f"**Ablation `{g.name}`** ({g.file}): {g.question}", "",
           f"*Measured* (this kit): grid preset `{g.preset.name}`, {_scale(g)}; hardware: "
@@ -186,13 +188,13 @@ def tables(a: dict, g: Grid) -> tuple[list[str], list[tuple[str, list, list]]]:
           f"with its {round(CONFIDENCE * 100)} % confidence interval: {a['statistics']} (docs/ablations.md). An "
           f"ordering is resolved when the interval of the paired difference a − b excludes 0; it is judged on "
           f"the first metric ({get_metric(first).label}).", ""]
-    base = "; ".join(f"{FAMILY_NAMES.get(f, f)} {_cell(e, 6).replace('+', '')}" for f, e in a["baseline_ppl_final"].items())
+    base = "; ".join(f"{FAMILY_NAMES.get(f, f)} {_cell(e, 6, sign=False)}" for f, e in a["baseline_ppl_final"].items())
     md += [f"Baseline training PPL (final 10 % of steps; mean [interval] over its seeds): {base}.", ""]
     if a["damaged"]:
         md += ["*Left out* (damaged run folders; the variants they belong to count fewer seeds): "
                + "; ".join(f"`{n}` ({why})" for n, why in a["damaged"].items()) + ".", ""]
     if a["unfinished"]:
-        md += [f"*Not finished* ({NOT_RUN} in the means): "
+        md += [f"*Not finished* (left out of the means): "
                + ", ".join(f"`{n}` ({s})" for n, s in a["unfinished"].items()) + ".", ""]
     md += ["Effects (every variant against its baseline):", "", _md(head, rows), ""]
     md += [f"Orderings (variants that differ in one option, paired by seed; n = seeds both finished):", "",
@@ -300,6 +302,9 @@ def figure(a: dict, g: Grid, metric: str, out: Path) -> list[Path]:
         else:
             ax.set_xlabel("drop ratio (0: the baseline)")
         ax.axhline(0.0, color="0.3", lw=0.6)
+        spread = [abs(v) for e in mine for v in (e["metrics"][metric]["mean"], e["metrics"][metric]["hi"]) if v]
+        if spread and max(spread) > 100 * min(spread):  # decades apart: a symmetric log scale
+            ax.set_yscale("symlog", linthresh=min(spread))
         ax.set_ylabel(f"{m.label} ({m.unit})" if m.unit else m.label)
         ax.set_title(f"measured: {FAMILY_NAMES.get(fam, fam)}, mean and {round(CONFIDENCE * 100)} % interval over "
                      f"seeds", fontsize=8)
@@ -347,10 +352,12 @@ def _paper_panel(ax, fams, colors, series_keys) -> None:
 # ----------------------------------------------------------------------------- all
 
 
-def write_all(g: Grid, out, warn=print, figures: bool = True) -> list[Path]:
-    """ablation.json, the tables and (``figures``) the figures of ``g`` from the run files under ``out``."""
+def write_all(g: Grid, out, warn=print, figures: bool = True, runs_dir=None) -> list[Path]:
+    """ablation.json, the tables and (``figures``) the figures of ``g`` into ``out``, from the run
+    files under ``runs_dir`` (default: ``out`` itself)."""
     out = Path(out)
-    a = analyse(g, out)
+    a = analyse(g, out if runs_dir is None else runs_dir)
+    a["runs_dir"] = str(out if runs_dir is None else runs_dir)
     if a["damaged"]:
         warn(f"{len(a['damaged'])} damaged run folder(s) left out of the tables: "
              + "; ".join(f"{n}: {why}" for n, why in a["damaged"].items()))

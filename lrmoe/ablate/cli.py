@@ -21,6 +21,9 @@ def _options(p) -> None:
     p.add_argument("--jobs", type=int, default=None, help="runs in parallel (default: the grid's)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--no-figures", action="store_true", help="tables and ablation.json only")
+    p.add_argument("--tables-from", default=None, metavar="DIR",
+                   help="train nothing: the tables and figures from finished runs of the same configs in DIR "
+                        "(e.g. results/cpu for ablations/scorers.toml), written to --out")
 
 
 def register_cli(sub) -> None:
@@ -50,9 +53,11 @@ def _cli(args) -> int:
     for k, v in vars(more).items():  # (not `v in (None, False)`: 0 == False, and --jobs 0 must be refused)
         if v is not None and v is not False:
             setattr(args, k, v)
-    from .runner import ablate
+    from .runner import ablate, tables_from
 
     try:
+        if args.tables_from is not None:
+            return tables_from(args.grid, args.tables_from, args.out, args.data, figures=not args.no_figures)
         return ablate(args.grid, args.out, args.only, args.dry_run, args.data, args.jobs,
                       progress=not args.no_progress, figures=not args.no_figures)
     except UsageError as e:  # a bad grid or argument: one line, no traceback

@@ -21,6 +21,7 @@ class Metric:
     fn: Callable  # (run, baseline) -> float | None
     digits: int = 6
     help: str = ""
+    paired: bool = True  # a difference run − baseline (False: the run's own value; no orderings)
 
     def __call__(self, run, base) -> float | None:
         return self.fn(run, base)
@@ -72,7 +73,8 @@ _METRICS = Registry("ablation metric", builtins={
     "dstep_ms": Metric("Δstep ms", "ms", _diff(_per_step_ms("train_s")), 2,
                        "training time per step, run − baseline (same caveat)"),
     "kept_fraction": Metric("kept fraction", "", lambda run, base: _final("kept_fraction_mean")(run), 4,
-                            "mean share of routed pairs kept in the expert backward (the run's own value)"),
+                            "mean share of routed pairs kept in the expert backward (the run's own value)",
+                            paired=False),
 })
 
 #: ``register_metric(name, Metric(...))``: a metric grids may name.

@@ -51,3 +51,29 @@ def ablate(grid, out_dir=None, only: str | None = None, dry_run: bool = False, d
         return 0
 
     return reproduce(g, out, only, dry_run, data, jobs, figures=tables, progress=progress, reference="none")
+
+
+def tables_from(grid, runs_dir, out_dir=None, data: str | None = None, figures: bool = True) -> int:
+    """The tables and figures of ``grid`` into ``out_dir`` from finished runs of the same configs
+    under ``runs_dir`` (e.g. ``results/cpu`` for ablations/scorers.toml, whose runs are the cpu
+    preset's E2 runs), training nothing and writing nothing under ``runs_dir``. Runs there of
+    another config are refused (status 2), as a call that trains would refuse them."""
+    from lrmoe.reproduce.driver import plan
+
+    from .aggregate import write_all
+
+    g = grid if isinstance(grid, Grid) else load_grid(find_grid(str(grid)))
+    runs_dir = Path(runs_dir)
+    if not runs_dir.is_dir():
+        raise GridError(f"--tables-from {str(runs_dir)!r} is not a folder; give a results folder holding the "
+                        f"grid's runs (e.g. results/cpu for ablations/scorers.toml)")
+    out = Path(out_dir) if out_dir is not None else default_out(g)
+    sv = plan(g, runs_dir, None, data)["survey"]
+    if sv.stale:
+        print("\n".join(sv.refusal(runs_dir, "lrmoe ablate")[:1 + len(sv.stale)]), file=sys.stderr)
+        return 2
+    written = write_all(g, out, warn=lambda msg: print(f"lrmoe ablate: {msg}", file=sys.stderr), figures=figures,
+                        runs_dir=runs_dir)
+    print(f"tables and figures of {g.name} from the runs in {runs_dir}/: {len(written)} files under {out}/",
+          file=sys.stderr)
+    return 0

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from lrmoe.ablate.runner import ablate
+from lrmoe.ablate.runner import ablate, tables_from
 from lrmoe.cli import main as lrmoe_main
 from lrmoe.data import shared_data_dir
 
@@ -83,10 +83,17 @@ def test_dry_run_resume_only_rerun_and_stale(env, capsys):
     assert json.loads((out / "ablate.json").read_text())["ran_now"] == 1
     assert json.loads((out / "manifest.json").read_text())["preset"]["kind"] == "ablation grid"
 
+    other = out.with_name("other")  # --tables-from: the same tables from the runs of another folder
+    assert tables_from(grid, out, other, figures=False) == 0
+    assert json.loads((other / "ablation.json").read_text())["effects"] == a["effects"]
+    assert sorted(q.name for q in other.iterdir()) == ["ablation.json", "tables"]
+
     grid.write_text(GRID.format(steps=7))  # the grid changed: its finished runs are of another config
     assert ablate(grid, out, progress=False, figures=False) == 2
     err = capsys.readouterr().err
     assert "hold runs of another config" in err and "steps: 6 != 7" in err
+    assert tables_from(grid, out, other, figures=False) == 2
+    assert "steps: 6 != 7" in capsys.readouterr().err
 
 
 def test_command_line(env, capsys):
