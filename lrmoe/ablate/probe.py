@@ -143,18 +143,22 @@ def end_to_end(model, batches, policy, draws: int) -> list[list[torch.Tensor]]:
     from lrmoe import hf
     from lrmoe.train.evaluate import label_tokens
 
+    before = hf.get_policies(model)
     hf.set_policy(model, policy)
     params = _expert_params(model)
     flat = [p for pair in params for p in pair]
     n_label = sum(label_tokens(b["labels"]) for b in batches)
     out = [[torch.zeros_like(p) for p in flat] for _ in range(draws)]
-    for b in batches:
-        loss = _loss(model, b, n_label)
-        for d in range(draws):
-            gs = torch.autograd.grad(loss, flat, retain_graph=d < draws - 1, allow_unused=True)
-            for acc, g in zip(out[d], gs):
-                if g is not None:
-                    acc += g
+    try:
+        for b in batches:
+            loss = _loss(model, b, n_label)
+            for d in range(draws):
+                gs = torch.autograd.grad(loss, flat, retain_graph=d < draws - 1, allow_unused=True)
+                for acc, g in zip(out[d], gs):
+                    if g is not None:
+                        acc += g
+    finally:
+        hf.set_policy(model, before)  # the model's own policies again
     return out
 
 
