@@ -17,10 +17,10 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-from lrmoe.files import atomic_write, write_json, write_text
+from lrmoe.files import atomic_write, write_json
 from lrmoe.run_folder import DAMAGED, DONE, run_state
 from paper_figures.results import FAMILY_NAMES, Run, paper_numbers
-from paper_figures.tables import SCORER_NAMES
+from paper_figures.tables import SCORER_NAMES, md_table, write_table
 
 from .grid import Grid
 from .metrics import get_metric
@@ -196,9 +196,9 @@ def tables(a: dict, g: Grid) -> tuple[list[str], list[tuple[str, list, list]]]:
     if a["unfinished"]:
         md += [f"*Not finished* (left out of the means): "
                + ", ".join(f"`{n}` ({s})" for n, s in a["unfinished"].items()) + ".", ""]
-    md += ["Effects (every variant against its baseline):", "", _md(head, rows), ""]
+    md += ["Effects (every variant against its baseline):", "", md_table(head, rows), ""]
     md += [f"Orderings (variants that differ in one option, paired by seed; n = seeds both finished):", "",
-           _md(chead, crow) if crow else "(no two variants differ in exactly one option)", ""]
+           md_table(chead, crow) if crow else "(no two variants differ in exactly one option)", ""]
     md += ["Metrics: " + "; ".join(f"{get_metric(k).label}: {get_metric(k).help}" for k in g.metrics) + "."]
     tex = [(f"Ablation {g.name}: effects against the baseline ({g.question})", head, rows),
            (f"Ablation {g.name}: orderings (paired differences a - b)", chead, crow)]
@@ -210,11 +210,6 @@ def _scale(g: Grid) -> str:
     models = sorted({s.config.get("model") for s in g.specs})
     return (f"{', '.join(models)}, {c.get('steps')} steps of {c.get('micro_batch', 0) * (c.get('grad_accum') or 1)} "
             f"rows x {c.get('seq_len')} tokens, {len({s.config.get('seed') for s in g.specs})} seed(s)")
-
-
-def _md(head, rows) -> str:
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
 _TEX = (("\\", r"\textbackslash{}"), ("&", r"\&"), ("%", r"\%"), ("_", r"\_"), ("#", r"\#"), ("Δ", r"$\Delta$"),
@@ -363,9 +358,7 @@ def write_all(g: Grid, out, warn=print, figures: bool = True, runs_dir=None) -> 
              + "; ".join(f"{n}: {why}" for n, why in a["damaged"].items()))
     files = [write_json(out / "ablation.json", a)]
     md, tex = tables(a, g)
-    (out / "tables").mkdir(parents=True, exist_ok=True)
-    files += [write_text(out / "tables" / f"{g.name}.md", "\n".join(md).rstrip() + "\n"),
-              write_text(out / "tables" / f"{g.name}.tex", _tex(tex))]
+    files += write_table(out, g.name, md, _tex(tex))
     for k in g.metrics if figures else ():
         if any(e["metrics"][k]["n"] for e in a["effects"]):
             files += figure(a, g, k, out)
