@@ -95,14 +95,19 @@ def t5_rows(result: dict, paper: dict) -> list[list[str]]:
         pairs = m["pairs"]
         rows.append([name, _f(m["backward_ms_per_layer"]), _f(ph["gemm"]), _f(ph["grad_rows"] + ph["dx"]),
                      _f(ph["router_grad"] + ph["score_select"] + ph["gather"]), _f(ph["weight_grads"]),
-                     _f(m["forward_ms_per_layer"]), _f(m["planning_ms_per_layer"]),
+                     _f(_without_planning(m, "forward_ms_per_layer")), _f(m["planning_ms_per_layer"]),
                      _f(100 * pairs["useful"] / pairs["routed"] if pairs["routed"] else None, 1),
                      _f(100 * pairs["kept_backward"] / pairs["routed"] if pairs["routed"] else None, 1), _f(paper_v)])
     return rows
 
 
+def _without_planning(m: dict, key: str) -> float:
+    """A per-layer time without the planners' host time (which depends on this host's load)."""
+    return m[key] - (m["planning_ms_per_layer"] if m.get("planning_included", True) else 0.0)
+
+
 T5_HEAD = ["method", "backward ms/layer", "GEMMs", "all-to-alls", "router grad + scoring + gathers",
-           "replica grads", "forward ms/layer", "planning ms (this host)", "forward pairs %", "backward pairs %",
+           "replica grads", "forward ms/layer (planning excluded)", "planning ms (this host)", "forward pairs %", "backward pairs %",
            "paper backward"]
 
 
@@ -141,22 +146,24 @@ def f5_rows(result: dict) -> tuple[list[str], list[list[str]]]:
     sw = result["sweep"]
     names = list(sw["points"][0]["methods"])
     head = [sw["field"]] + [f"{n} ms/layer" for n in names] + \
-        [f"LRMoE throughput / {n}" for n in names if n != "lrmoe"]
+        [f"LRMoE throughput / {n}" for n in names if n != "lrmoe"] + ["LRMoE planning ms (this host)"]
     rows = []
     for pt in sw["points"]:
         ms = pt["methods"]
         cells = [f"{pt['value']:g}"]
         for n in names:
             m = ms[n]
-            c = _f(m["total_ms_per_layer"])
+            c = _f(_without_planning(m, "total_ms_per_layer"))
             share = m.get("useful_share")
             if share is not None and share < 0.9995:
                 c += f" ({100 * share:.0f} % pairs)"
             if m["oom"]:
                 c += f" ({m['oom']} oom)"
             cells.append(c)
-        lr = ms.get("lrmoe", {}).get("pairs_per_s")
-        cells += [_f(lr / ms[n]["pairs_per_s"]) if lr and ms[n]["pairs_per_s"] else "—" for n in names if n != "lrmoe"]
+        key = "pairs_per_s_without_planning"
+        lr = ms.get("lrmoe", {}).get(key)
+        cells += [_f(lr / ms[n][key]) if lr and ms[n].get(key) else "—" for n in names if n != "lrmoe"]
+        cells.append(_f(ms["lrmoe"]["planning_ms_per_layer"]) if "lrmoe" in ms else "—")
         rows.append(cells)
     return head, rows
 
@@ -167,8 +174,9 @@ def make_tables(result: dict, paper: dict, out: Path) -> list[Path]:
     tables = []
     if result.get("sweep"):
         head, rows = f5_rows(result)
-        tables.append(("F5", f"F5 {name}: MoE-layer time per layer (fwd + bwd, mean over steps and layers; ms) "
-                             f"and LRMoE's effective-throughput ratio as {result['sweep']['field']} varies", head, rows))
+        tables.append(("F5", f"F5 {name}: MoE-layer time per layer (fwd + bwd, mean over steps and layers, "
+                             f"planning excluded; ms) and LRMoE's effective-throughput ratio as "
+                             f"{result['sweep']['field']} varies; LRMoE's planner host time beside", head, rows))
     else:
         want = result["scenario"].get("tables", ())
         if "T4" in want:
@@ -189,7 +197,7 @@ def make_tables(result: dict, paper: dict, out: Path) -> list[Path]:
     for key, title, head, rows in tables:
         stem = f"{key}_{name}"
         label = _label(result)
-        if key.endswith("no-planning"):
+        if key.endswith("no-planning") or key == "F5":
             label = label.replace("planning: median host time included", "planning excluded")
         paths.append(write_text(d / f"{stem}.md", f"**{title}**\n\n{_table(head, rows)}\n\n{label}\n"))
         paths.append(write_text(d / f"{stem}.tex", _tex(f"{title}. {label}", head, rows)))
@@ -204,10 +212,10 @@ def make_figures(result: dict, paper: dict, out: Path) -> list[Path]:
     if result.get("sweep"):
         sw = result["sweep"]
         for n in sw["points"][0]["methods"]:
-            ys = [p["methods"][n]["total_ms_per_layer"] for p in sw["points"]]
+            ys = [_without_planning(p["methods"][n], "total_ms_per_layer") for p in sw["points"]]
             ax.plot([p["value"] for p in sw["points"]], ys, marker="o", label=n)
         ax.set_xlabel(sw["field"])
-        ax.set_ylabel("MoE-layer time per layer (ms, mean)")
+        ax.set_ylabel("MoE-layer time per layer (ms, mean; planning excluded)")
         stem = f"F5_{name}"
     elif "throughput" in next(iter(result["methods"].values())) and len(result["scenario"]["pressures"]) > 1:
         for i, (n, m) in enumerate(result["methods"].items()):
