@@ -26,13 +26,15 @@ already there). docs/probe.md reads the results."""
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from lrmoe.environment import cpu_model, environment
 
 PHIS = ("h", "x", "both")
 SCORERS = ("lrm", "grad_norm", "abs_grad", "random")
@@ -342,7 +344,7 @@ def run_probe(a) -> dict:
         raise ProbeError(f"--run {a.run}: no such folder; give an `lrmoe train` run folder")
     if a.threads:
         torch.set_num_threads(a.threads)
-    t0 = time.perf_counter()
+    t0, load0 = time.perf_counter(), os.getloadavg()[0]
     run = Path(a.run) if a.run is not None else train_default(out, a.data, a.steps, a.model, progress)
     trained, init, cfg, train_set = load_run(run)
     batches = fixed_batches(train_set, a.rows, a.batches, a.seed)
@@ -354,7 +356,9 @@ def run_probe(a) -> dict:
                 checkpoints=list(a.checkpoints), batches=a.batches, rows=a.rows, seq_len=cfg.seq_len,
                 tokens=a.batches * a.rows * cfg.seq_len, draws=a.draws, seed=a.seed, drops=list(a.drops),
                 scorers=list(a.scorers), dtype="float64", seconds=round(time.perf_counter() - t0, 1),
-                machine=f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads",
+                machine=f"{cpu_model() or platform.machine()}, {torch.get_num_threads()} torch threads, load average "
+                        f"{load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end",
+                environment=environment(),
                 command="lrmoe ablate probe " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["ablate", "probe"] else []))
     files = write_outputs(out, records, meta)
     _log(f"wrote {', '.join(str(f) for f in files)} ({meta['seconds']} s)", progress)
