@@ -297,9 +297,9 @@ def figure(a: dict, g: Grid, metric: str, out: Path) -> list[Path]:
         else:
             ax.set_xlabel("drop ratio (0: the baseline)")
         ax.axhline(0.0, color="0.3", lw=0.6)
-        spread = [abs(v) for e in mine for v in (e["metrics"][metric]["mean"], e["metrics"][metric]["hi"]) if v]
-        if spread and max(spread) > 100 * min(spread):  # decades apart: a symmetric log scale
-            ax.set_yscale("symlog", linthresh=min(spread))
+        spread = sorted(abs(v) for e in mine for k in ("mean", "lo", "hi") if (v := e["metrics"][metric][k]))
+        if spread and spread[-1] > 100 * spread[len(spread) // 4]:  # decades apart: a symmetric log scale
+            ax.set_yscale("symlog", linthresh=spread[len(spread) // 4])
         ax.set_ylabel(f"{m.label} ({m.unit})" if m.unit else m.label)
         ax.set_title(f"measured: {FAMILY_NAMES.get(fam, fam)}, mean and {round(CONFIDENCE * 100)} % interval over "
                      f"seeds", fontsize=8)
