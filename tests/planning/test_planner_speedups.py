@@ -280,3 +280,52 @@ def test_quota_search_fits_equals_its_plan(seed, kind):
                 assert L._QuotaSearch(d, q, cl, dims, frac * max(peak, 1), **kw).fits(top_first) == want
             seen.add(want)
     assert seen == {True, False}  # the budgets cover both answers
+
+
+def _random_search(rng, seed, kind, budget_frac):
+    G, epr = (2, 4, 8)[seed % 3], int(rng.integers(1, 4))
+    E = G * epr
+    dims = ModelDims(hidden=32, intermediate=16, num_experts=E, top_k=2, optimizer_bytes_per_param=0)
+    domains = None if G < 4 else (tuple(range(G // 2)), tuple(range(G // 2, G)))
+    cl = Cluster(num_ranks=G, slots_per_rank=epr + int(rng.integers(0, 4)), fast_domains=domains)
+    d = skewed_demand(rng, G, E, kind)
+    peak = plan_placement("lrmoe", d, cl, dims, math.inf).memory.peak
+    q = L._quota(d.sum(0), int(round(rng.uniform(0.1, 1.0) * d.sum())), "waterfill", {}, 0.0)
+    kw = dict(free_G=np.full(G, cl.slots_per_rank - epr), owner_E=np.arange(E) // epr, backward_weight=2.0,
+              min_rows=int(rng.integers(1, 4)), info={})
+    return lambda: L._QuotaSearch(d, q, cl, dims, budget_frac * max(peak, 1), **kw)
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("kind", ("random", "empty", "hot"))
+def test_greedy_threshold_feasibility_is_monotone(seed, kind):
+    """What the warm-started threshold search rests on: once the greedy meets a threshold it
+    meets every larger one (checked on every integer threshold in [lo, top])."""
+    rng = np.random.default_rng(1200 + seed)
+    for frac in (math.inf, 0.9, 0.7):
+        s = _random_search(rng, seed, kind, frac)()
+        met = [s.greedy(t) is not None for t in range(s.lo, s.top + 1)]
+        assert met[-1]
+        first = met.index(True)
+        assert all(met[first:]), (frac, met)
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("kind", ("random", "empty", "hot"))
+def test_threshold_from_any_hint_equals_the_bisection(seed, kind):
+    """_QuotaSearch.threshold with a hint (below, at, above the answer, at the ends, outside the
+    range) gives the threshold of the plain bisection, and with it the same plan."""
+    rng = np.random.default_rng(1300 + seed)
+    for frac in (math.inf, 0.9, 0.7):
+        make = _random_search(rng, seed, kind, frac)
+        plain = make()
+        want = plain.threshold()
+        hints = {plain.lo - 3, plain.lo, plain.lo + 1, want - 5, want - 1, want, want + 1, want + 7,
+                 plain.top - 1, plain.top, plain.top + 2, int(rng.integers(plain.lo - 1, plain.top + 2))}
+        for h in sorted(hints):
+            s = make()
+            s.hint = h
+            assert s.threshold() == want, (frac, h)
+            got, ref = s.result().plan(), plain.result().plan()
+            np.testing.assert_array_equal(got.send_GN, ref.send_GN)
+            np.testing.assert_array_equal(got.backward_quota_GN, ref.backward_quota_GN)
