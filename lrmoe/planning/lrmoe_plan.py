@@ -230,7 +230,8 @@ class _QuotaSearch:
         a nearby quota vector's search): galloping from the hint until a threshold the greedy meets and one
         below it that it misses bracket the answer, then bisection inside. Whether the greedy meets
         a threshold is monotone in it (a larger one only adds slack; checked on every threshold of
-        tens of thousands of random searches in tests/planning), so both find the same smallest one;
+        108 random searches in tests/planning, and of 46,725 in a one-off check), so both find the
+        same smallest one;
         the hint only changes how many greedy passes that takes."""
         if self.hi is None:
             lo, hi = self.lo, self.top

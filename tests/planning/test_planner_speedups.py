@@ -138,19 +138,24 @@ def skewed_demand(rng, G, E, kind):
     return d
 
 
-@pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("kind", ("random", "empty", "hot"))
-def test_fast_planners_equal_reference(seed, kind):
-    """lrmoe (both quota policies, pressured budgets), ultraep and ultraep_greedy: the plans of the
-    frozen reference, field by field."""
-    rng = np.random.default_rng(300 + seed)
+def small_case(rng, seed, kind):
+    """A small skewed planning case: (G, epr, dims, cluster, demand, the unbudgeted lrmoe plan's peak)."""
     G, epr = (2, 4, 8)[seed % 3], int(rng.integers(1, 4))
     E = G * epr
     dims = ModelDims(hidden=32, intermediate=16, num_experts=E, top_k=2, optimizer_bytes_per_param=0)
     domains = None if G < 4 else (tuple(range(G // 2)), tuple(range(G // 2, G)))
     cl = Cluster(num_ranks=G, slots_per_rank=epr + int(rng.integers(0, 4)), fast_domains=domains)
     d = skewed_demand(rng, G, E, kind)
-    peak = plan_placement("lrmoe", d, cl, dims, math.inf).memory.peak
+    return G, epr, dims, cl, d, plan_placement("lrmoe", d, cl, dims, math.inf).memory.peak
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("kind", ("random", "empty", "hot"))
+def test_fast_planners_equal_reference(seed, kind):
+    """lrmoe (both quota policies, pressured budgets), ultraep and ultraep_greedy: the plans of the
+    frozen reference, field by field."""
+    rng = np.random.default_rng(300 + seed)
+    G, epr, dims, cl, d, peak = small_case(rng, seed, kind)
     for frac in (math.inf, 0.95, 0.8, 0.6):
         budget = frac * max(peak, 1)
         for name, opts in (("lrmoe", {"drop_ratio": 0.1}), ("lrmoe", {"quota_policy": "proportional"}),
@@ -262,18 +267,12 @@ def test_quota_search_fits_equals_its_plan(seed, kind):
     """_QuotaSearch.fits (floor, top candidate first or the cost-optimal one first) says exactly
     whether the plan it would return fits, at budgets from roomy to hopeless."""
     rng = np.random.default_rng(800 + seed)
-    G, epr = (2, 4, 8)[seed % 3], int(rng.integers(1, 4))
-    E = G * epr
-    dims = ModelDims(hidden=32, intermediate=16, num_experts=E, top_k=2, optimizer_bytes_per_param=0)
-    domains = None if G < 4 else (tuple(range(G // 2)), tuple(range(G // 2, G)))
-    cl = Cluster(num_ranks=G, slots_per_rank=epr + int(rng.integers(0, 4)), fast_domains=domains)
-    d = skewed_demand(rng, G, E, kind)
-    peak = plan_placement("lrmoe", d, cl, dims, math.inf).memory.peak
+    G, epr, dims, cl, d, peak = small_case(rng, seed, kind)
     seen = set()
     for frac in (1.2, 0.95, 0.85, 0.7, 0.5, 0.2):
         for keep in (1.0, 0.8, 0.5, 0.1):
             q = L._quota(d.sum(0), int(round(keep * d.sum())), "waterfill", {}, 0.0)
-            kw = dict(free_G=np.full(G, cl.slots_per_rank - epr), owner_E=np.arange(E) // epr,
+            kw = dict(free_G=np.full(G, cl.slots_per_rank - epr), owner_E=np.arange(G * epr) // epr,
                       backward_weight=2.0, min_rows=1, info={})
             want = L._QuotaSearch(d, q, cl, dims, frac * max(peak, 1), **kw).result().fits
             for top_first in (True, False):
@@ -283,15 +282,9 @@ def test_quota_search_fits_equals_its_plan(seed, kind):
 
 
 def _random_search(rng, seed, kind, budget_frac):
-    G, epr = (2, 4, 8)[seed % 3], int(rng.integers(1, 4))
-    E = G * epr
-    dims = ModelDims(hidden=32, intermediate=16, num_experts=E, top_k=2, optimizer_bytes_per_param=0)
-    domains = None if G < 4 else (tuple(range(G // 2)), tuple(range(G // 2, G)))
-    cl = Cluster(num_ranks=G, slots_per_rank=epr + int(rng.integers(0, 4)), fast_domains=domains)
-    d = skewed_demand(rng, G, E, kind)
-    peak = plan_placement("lrmoe", d, cl, dims, math.inf).memory.peak
+    G, epr, dims, cl, d, peak = small_case(rng, seed, kind)
     q = L._quota(d.sum(0), int(round(rng.uniform(0.1, 1.0) * d.sum())), "waterfill", {}, 0.0)
-    kw = dict(free_G=np.full(G, cl.slots_per_rank - epr), owner_E=np.arange(E) // epr, backward_weight=2.0,
+    kw = dict(free_G=np.full(G, cl.slots_per_rank - epr), owner_E=np.arange(G * epr) // epr, backward_weight=2.0,
               min_rows=int(rng.integers(1, 4)), info={})
     return lambda: L._QuotaSearch(d, q, cl, dims, budget_frac * max(peak, 1), **kw)
 
@@ -322,10 +315,11 @@ def test_threshold_from_any_hint_equals_the_bisection(seed, kind):
         want = plain.threshold()
         hints = {plain.lo - 3, plain.lo, plain.lo + 1, want - 5, want - 1, want, want + 1, want + 7,
                  plain.top - 1, plain.top, plain.top + 2, int(rng.integers(plain.lo - 1, plain.top + 2))}
+        ref = plain.result().plan()
         for h in sorted(hints):
             s = make()
             s.hint = h
             assert s.threshold() == want, (frac, h)
-            got, ref = s.result().plan(), plain.result().plan()
+            got = s.result().plan()
             np.testing.assert_array_equal(got.send_GN, ref.send_GN)
             np.testing.assert_array_equal(got.backward_quota_GN, ref.backward_quota_GN)
