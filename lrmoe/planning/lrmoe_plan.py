@@ -208,7 +208,6 @@ class _QuotaSearch:
         self.greedy_memo: dict[int, list | None] = {}
         self.candidate_memo: dict[int, _Candidate | None] = {}
         self.hi: int | None = None
-        self.hint: int | None = None  # a guess for threshold() (set by the planner's searches)
 
     def greedy(self, tau: int):
         if tau not in self.greedy_memo:
@@ -224,44 +223,14 @@ class _QuotaSearch:
         return self.candidate_memo[tau]
 
     def threshold(self) -> int:
-        """The smallest integer threshold the greedy meets (``top`` always: no replica needed).
-
-        Without ``self.hint``: bisection over [lo, top]. With a hint (a guess, e.g. the threshold of
-        a nearby quota vector's search): galloping from the hint until a threshold the greedy meets and one
-        below it that it misses bracket the answer, then bisection inside. Whether the greedy meets
-        a threshold is monotone in it (a larger one only adds slack; checked on every threshold of
-        108 random searches in tests/planning, and of 46,725 in a one-off check), so both find the
-        same smallest one;
-        the hint only changes how many greedy passes that takes."""
+        """The smallest integer threshold the greedy meets (bisection; ``top`` always: no replica needed)."""
         if self.hi is None:
             lo, hi = self.lo, self.top
-            if self.hint is not None and lo < self.hint < hi:
-                lo, hi = self._bracket(int(self.hint), lo, hi)
             while lo < hi:
                 mid = (lo + hi) // 2
                 lo, hi = (lo, mid) if self.greedy(mid) is not None else (mid + 1, hi)
             self.hi = hi
         return self.hi
-
-    def _bracket(self, g: int, lo: int, hi: int) -> tuple[int, int]:
-        """A sub-range [lo', hi'] of [lo, hi] holding the smallest met threshold, found by
-        doubling steps from ``g``: every threshold below lo' is missed, hi' is met (or is ``top``)."""
-        step = 1
-        if self.greedy(g) is not None:  # met: gallop down
-            hi = g
-            while hi > lo:
-                t = max(hi - step, lo)
-                if self.greedy(t) is None:
-                    return t + 1, hi
-                hi, step = t, 2 * step
-            return lo, hi
-        lo = g + 1  # missed: gallop up
-        while lo < hi:
-            t = min(lo + step - 1, hi)
-            if t == hi or self.greedy(t) is not None:
-                return lo, t
-            lo, step = t + 1, 2 * step
-        return lo, hi
 
     def fits(self, top_first: bool = True) -> bool:
         """Whether :meth:`result` fits the budget (class docstring). ``top_first=False`` tries the
@@ -481,25 +450,8 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
         key = (d_GE.tobytes(), n_keep)
         if key not in searches:
             q_E = _quota(d_GE.sum(0), n_keep, quota_policy, quota_options, drop_ratio)
-            searches[key] = s = _QuotaSearch(d_GE, q_E, cluster, dims, budget_bytes, **kw)
-            s.hint = threshold_hint(key[0], n_keep)
+            searches[key] = _QuotaSearch(d_GE, q_E, cluster, dims, budget_bytes, **kw)
         return searches[key]
-
-    def threshold_hint(piece: bytes, n_keep: int) -> int | None:
-        """The threshold of this piece's searches at the nearest n_keep below and above (linear
-        between them when both are known): the keep search's probes close in, so their thresholds
-        do too. Only a guess: threshold() finds the same value from any hint."""
-        below = above = None
-        for (p, n), s in searches.items():
-            if p != piece or s.hi is None or n == n_keep:
-                continue
-            if n < n_keep and (below is None or n > below[0]):
-                below = (n, s.hi)
-            elif n > n_keep and (above is None or n < above[0]):
-                above = (n, s.hi)
-        if below and above:
-            return round(below[1] + (above[1] - below[1]) * (n_keep - below[0]) / (above[0] - below[0]))
-        return (below or above or (None, None))[1]
 
     kept: dict[bytes, int | None] = {}  # demand piece -> its shrunk_keep, within this call
 
@@ -517,13 +469,11 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
         if search(d_GE, hi_keep).fits(top_first=False):  # the requested quotas usually fit
             return hi_keep
         lo_keep = retained_total(P, max_drop_ratio)
-        # Cost-optimal candidate first: with the threshold hints of the probes before, its
-        # threshold search takes a few greedy passes, and under pressure it is the one that fits.
-        if not search(d_GE, lo_keep).fits(top_first=False):
+        if not search(d_GE, lo_keep).fits():
             return None  # quotas alone cannot make it fit: resolve_budget splits or reports oom
         while hi_keep - lo_keep > 1:  # lo_keep fits, hi_keep does not
             mid = (lo_keep + hi_keep) // 2
-            lo_keep, hi_keep = (mid, hi_keep) if search(d_GE, mid).fits(top_first=False) else (lo_keep, mid)
+            lo_keep, hi_keep = (mid, hi_keep) if search(d_GE, mid).fits() else (lo_keep, mid)
         return lo_keep
 
     def build(d_GE, row_cap):
