@@ -453,6 +453,11 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
             searches[key] = _QuotaSearch(d_GE, q_E, cluster, dims, budget_bytes, **kw)
         return searches[key]
 
+    def over_floor(P, n_keep) -> bool:
+        """The test :meth:`_QuotaSearch.fits` starts with (its quotas sum to min(n_keep, P))."""
+        floor = total_memory_floor(dims, dims.num_experts, P, min(n_keep, P))
+        return math.isfinite(budget_bytes) and -(-floor // cluster.num_ranks) > budget_bytes
+
     kept: dict[bytes, int | None] = {}  # demand piece -> its shrunk_keep, within this call
 
     def shrunk_keep(d_GE):
@@ -465,15 +470,23 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
 
     def keep_search(d_GE):
         P = int(d_GE.sum())
+
+        def fits_keep(n_keep, top_first=True):
+            # _QuotaSearch.fits answers False without a pass when the ranks' mean memory is over the
+            # budget; that needs only the pair counts, so such probes skip the quotas and the search.
+            if over_floor(P, n_keep):
+                return False
+            return search(d_GE, n_keep).fits(top_first)
+
         hi_keep = retained_total(P, drop_ratio)
-        if search(d_GE, hi_keep).fits(top_first=False):  # the requested quotas usually fit
+        if fits_keep(hi_keep, top_first=False):  # the requested quotas usually fit
             return hi_keep
         lo_keep = retained_total(P, max_drop_ratio)
-        if not search(d_GE, lo_keep).fits():
+        if not fits_keep(lo_keep):
             return None  # quotas alone cannot make it fit: resolve_budget splits or reports oom
         while hi_keep - lo_keep > 1:  # lo_keep fits, hi_keep does not
             mid = (lo_keep + hi_keep) // 2
-            lo_keep, hi_keep = (mid, hi_keep) if search(d_GE, mid).fits() else (lo_keep, mid)
+            lo_keep, hi_keep = (mid, hi_keep) if fits_keep(mid) else (lo_keep, mid)
         return lo_keep
 
     def build(d_GE, row_cap):

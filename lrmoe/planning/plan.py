@@ -28,6 +28,7 @@ This module holds the interface types and the small routing helpers the planners
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -456,8 +457,15 @@ def owned_layout(cluster: Cluster, dims: ModelDims, policy: str) -> int:
 
 
 def owner_instances(cluster: Cluster, dims: ModelDims, policy: str) -> list[Instance]:
-    epr = owned_layout(cluster, dims, policy)
-    return [Instance(e, e // epr, e % epr, False) for e in range(dims.num_experts)]
+    """The owned instances of fixed ownership: expert e in slot e % (E/G) of rank e // (E/G)."""
+    return list(_owner_instances(dims.num_experts, owned_layout(cluster, dims, policy)))
+
+
+@functools.lru_cache(maxsize=64)
+def _owner_instances(num_experts: int, experts_per_rank: int) -> tuple[Instance, ...]:
+    # Built once per layout (Instance is frozen, so sharing is safe): constructing 128 of them
+    # costs more than a small plan.
+    return tuple(Instance(e, e // experts_per_rank, e % experts_per_rank, False) for e in range(num_experts))
 
 
 def replica_instances(cluster: Cluster, dims: ModelDims, hosts_E,

@@ -7,6 +7,7 @@ with :func:`register_placement` (a name that exists raises unless ``override=Tru
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -35,10 +36,19 @@ def plan_placement(name: str, demand_GE, cluster: Cluster, dims: ModelDims, budg
     """Plan one step of one MoE layer with the registered policy ``name`` (see module docstring)."""
     fn = get_placement(name)
     demand_GE = check_inputs(demand_GE, cluster, dims, budget_bytes)
-    params = inspect.signature(fn).parameters
-    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        accepted = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY and n != "state"]
+    accepted = _accepted_options(fn)
+    if accepted is not None:
         unknown = sorted(set(options) - set(accepted))
         if unknown:
-            raise ValueError(f"placement policy {name!r} got unknown options {unknown}; accepted: {accepted}")
+            raise ValueError(f"placement policy {name!r} got unknown options {unknown}; accepted: {list(accepted)}")
     return fn(demand_GE, cluster, dims, budget_bytes, state=state, **options)
+
+
+@functools.lru_cache(maxsize=None)
+def _accepted_options(fn) -> tuple[str, ...] | None:
+    """The keyword-only options ``fn`` accepts (``state`` aside), None when it takes ``**options``
+    (read once per function: ``inspect.signature`` costs more than a small plan)."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return None
+    return tuple(n for n, p in params.items() if p.kind is p.KEYWORD_ONLY and n != "state")

@@ -114,6 +114,35 @@ def test_bad_descriptions_and_options():
         plan("ultraep", d, min_tokens=0)
 
 
+def test_plan_check_refuses_inconsistent_instances():
+    """Plan.check names each inconsistency: bad expert / rank / slot, two instances in one slot,
+    an expert without an instance, two owners of one expert."""
+    import dataclasses
+    from lrmoe.planning.plan import Instance
+    p = plan("ultraep", make_demand("skewed", 0))
+    assert p.check() is p
+    inst = list(p.instances)
+    last = inst[-1]
+    bad = {
+        "expert out of range": Instance(8, last.rank, last.slot, last.is_replica),
+        "negative expert": Instance(-1, last.rank, last.slot, last.is_replica),
+        "rank out of range": Instance(last.expert, 4, last.slot, last.is_replica),
+        "negative slot": Instance(last.expert, last.rank, -1, last.is_replica),
+        "slot taken": Instance(last.expert, inst[0].rank, inst[0].slot, last.is_replica),
+    }
+    for why, b in bad.items():
+        with pytest.raises(ValueError, match="valid experts, ranks and distinct slots"):
+            dataclasses.replace(p, instances=tuple(inst[:-1] + [b])).check()
+    extra_owner = Instance(inst[0].expert, inst[0].rank, 99, False)  # expert 0 owned twice, all else intact
+    zero = np.zeros((p.send_GN.shape[0], 1), dtype=np.int64)
+    with pytest.raises(ValueError, match="at most one owner"):
+        dataclasses.replace(p, instances=tuple(inst + [extra_owner]), send_GN=np.hstack([p.send_GN, zero]),
+                            backward_quota_GN=np.hstack([p.backward_quota_GN, zero])).check()
+    none_of_1 = [i if i.expert != 1 else Instance(0, i.rank, i.slot, True) for i in inst]
+    with pytest.raises(ValueError, match="every expert needs an instance"):
+        dataclasses.replace(p, instances=tuple(none_of_1)).check()
+
+
 # ----------------------------------------------------------------------------- shared invariants
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", ["fixed", "symi", "ultraep", "ultraep_greedy", "lrmoe"])
