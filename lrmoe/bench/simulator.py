@@ -309,7 +309,7 @@ def report(args, gathered, runs, env) -> None:
     hw = write_calibration(args, gathered[0]["calib"])
     dims = ModelDims(hidden=H, intermediate=I, num_experts=E, top_k=K, dtype_bytes=4)
     cluster = Cluster(G, E // G + 2)
-    rows, same_total, plans_total = [], 0, 0
+    rows, same_total, same_memory_total, plans_total = [], 0, 0, 0
     for i, rec in enumerate(runs):
         plans = rec["plans"]  # plans[0] is the untimed warm-up step's
         timed = len(plans) - 1
@@ -318,13 +318,16 @@ def report(args, gathered, runs, env) -> None:
         sim = run_method(m, demand, cluster, dims, hw, math.inf)
         # the simulator's own plans on the same demands (plan_layer, as run_method makes them)
         from ..planning.step import plan_layer
-        state, same = None, 0
+        state, same, same_memory = None, 0, 0
         for p in plans:
             q = plan_layer(m.placement, p.demand_GE, cluster, dims, math.inf, options=m.options, selects=m.selects,
                            drop_ratio=m.drop_ratio, state=state)
             state = q.state
             same += bool(np.array_equal(p.send_GN, q.send_GN) and np.array_equal(p.backward_quota_GN, q.backward_quota_GN)
                          and p.instances == q.instances)
+            # the per-rank memory the runtime's plan reports (its own ModelDims) against the simulator's
+            same_memory += all(np.array_equal(getattr(p.memory, f), getattr(q.memory, f))
+                               for f in ("base_G", "replicas_G", "dispatch_G", "saved_G", "backward_G"))
         comm = [g["runs"][i]["comm"] for g in gathered]
         meas_bytes = [sum(c[s].get("fwd_dispatch", 0) for c in comm) for s in range(timed)]
         bytes_ok = sum(mb == _row_bytes(p, H, 4) for mb, p in zip(meas_bytes, plans[1:]))
@@ -342,8 +345,9 @@ def report(args, gathered, runs, env) -> None:
                      "measured_total_iqr_ms": [1e3 * q1, 1e3 * q3],
                      "error_fwd": pf / fwd - 1, "error_bwd": pb / bwd - 1,
                      "error_total": (pf + pb) / statistics.median(tot_s) - 1,
-                     "same_plans": same, "plans": len(plans), "steps": timed, "dispatch_bytes_equal": bytes_ok})
+                     "same_plans": same, "same_memory": same_memory, "plans": len(plans), "steps": timed, "dispatch_bytes_equal": bytes_ok})
         same_total += same
+        same_memory_total += same_memory
         plans_total += len(plans)
     errs = [abs(r["error_total"]) for r in rows]
     order_ok, resolved_pairs, resolved_agree = [], 0, 0
@@ -361,6 +365,7 @@ def report(args, gathered, runs, env) -> None:
                     resolved_agree += (x["measured_total_ms"] < y["measured_total_ms"]) == \
                         (x["predicted_total_ms"] < y["predicted_total_ms"])
     summary = {"plans_identical": f"{same_total} of {plans_total}",
+               "plan_memory_identical": f"{same_memory_total} of {plans_total}",
                "median_abs_error_total": statistics.median(errs), "max_abs_error_total": max(errs),
                "same_order": f"{sum(order_ok)} of {len(order_ok)} routings",
                "resolved_pairs_same_order": f"{resolved_agree} of {resolved_pairs}",
@@ -373,7 +378,8 @@ def report(args, gathered, runs, env) -> None:
                      f"({r['predicted_total_ms']:.2f}) | {100 * r['error_total']:+.1f} % | {r['same_plans']}/{r['plans']} "
                      f"| {r['dispatch_bytes_equal']}/{r['steps']} |")
     print("\n".join(lines))
-    print(f"plans identical {summary['plans_identical']}; |error| of the total: median "
+    print(f"plans identical {summary['plans_identical']} (their memory, every rank and component: "
+          f"{summary['plan_memory_identical']}); |error| of the total: median "
           f"{100 * summary['median_abs_error_total']:.1f} %, max {100 * summary['max_abs_error_total']:.1f} %; "
           f"methods in the same order in {summary['same_order']}; method pairs the measurement orders "
           f"(interquartile ranges apart) predicted in the same order: {summary['resolved_pairs_same_order']}")

@@ -1,5 +1,5 @@
 """A small version of `lrmoe bench simulator`: the real EP runtime (2 gloo processes) and the
-simulator make the same plans and move the same token-row bytes on the same demands (asserted
+simulator make the same plans (instances, send, quotas and every rank's memory) and move the same token-row bytes on the same demands (asserted
 exactly); times are reported by the benchmark, never asserted."""
 import json
 
@@ -29,6 +29,7 @@ def test_runtime_and_simulator_make_the_same_plans(tmp_path):
     assert {r["method"] for r in v["rows"]} == {"fixed C0", "fixed C20", "lrmoe C0", "lrmoe C20", "symi C0"}
     for r in v["rows"]:
         assert r["steps"] == 1 and r["same_plans"] == r["plans"] == 2, r  # the warm-up's plan is compared too
+        assert r["same_memory"] == 2, r  # every memory component of every rank, runtime's plan vs simulator's
         assert r["dispatch_bytes_equal"] == 1, r
     hw = json.loads(cal.read_text())["hardware"]
     assert hw["name"] == "cpu-local" and hw["gemm_tflops"] > 0 and hw["fast_bytes_per_s"] > 0
