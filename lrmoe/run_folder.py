@@ -202,6 +202,12 @@ def _finished(d: Path, summary: dict) -> RunState:
                     if extra else "steps out of order or repeated")
             torn = " (its last line is torn)" if missing == [steps] and path.read_bytes()[-1:] != b"\n" else ""
             return RunState(DAMAGED, f"{path}: {len(rows)} row(s) for a run of {steps} steps, {what}{torn}", summary)
+    lines = path.read_bytes().split(b"\n")
+    if len(lines) - (lines[-1] == b"") > len(rows):
+        # read_metrics drops an undecodable last line (a torn append of a run still writing); after
+        # every row of a finished run (its summary is written after its last row) it is damage
+        return RunState(DAMAGED, f"{path}: line {len(rows) + 1} (the last) is not valid JSON, but {SUMMARY} says "
+                                 f"the run is done", summary)
     return RunState(DONE, "", summary, rows)
 
 

@@ -49,6 +49,8 @@ def test_a_missing_or_empty_folder_is_new(tmp_path):
     (lambda d: (d / "metrics.jsonl").write_bytes((d / "metrics.jsonl").read_bytes()[:-5]),
      "3 row(s) for a run of 4 steps, step(s) 4 missing (its last line is torn)"),
     (lambda d: (d / "metrics.jsonl").write_text('{"step": 1}\n{"step": 4}\n'), "step(s) 2-3 missing"),
+    (lambda d: open(d / "metrics.jsonl", "a").write("garbage\n"),  # every row there, then a bad line
+     "metrics.jsonl: line 5 (the last) is not valid JSON, but summary.json says the run is done"),
     (lambda d: (d / "summary.json").write_bytes((d / "summary.json").read_bytes()[:40]), "summary.json: not valid JSON"),
     (lambda d: (d / "summary.json").write_text("[]"), "summary.json: expected a JSON object"),
     (lambda d: (d / "summary.json").write_text('{"status": "exploded"}'), "unknown status 'exploded'"),
