@@ -5,28 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lrmoe.files import atomic_write, write_text
+from lrmoe.files import write_text
+
+from .figures import pyplot, save_figure
 
 PAPER_NAMES = {"fixed": "Megatron-LM", "symi": "SYMI", "ultraep": "UltraEP", "lrmoe": "LRMoE"}
-
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import seaborn as sns
-
-    sns.set_theme(style="whitegrid", context="paper")  # the style of paper_figures.figures
-    return plt, sns
-
-
-def _save(fig, out: Path, stem: str) -> list[Path]:
-    paths = [out / "figures" / f"{stem}.{ext}" for ext in ("png", "pdf")]
-    for path in paths:
-        atomic_write(path, lambda f, path=path: fig.savefig(f, format=path.suffix[1:], bbox_inches="tight",
-                                                             **({"dpi": 150} if path.suffix == ".png" else {})))
-    return paths
 
 
 def _label(result: dict) -> str:
@@ -206,7 +189,7 @@ def make_tables(result: dict, paper: dict, out: Path) -> list[Path]:
 
 def make_figures(result: dict, paper: dict, out: Path) -> list[Path]:
     """F3 (relative throughput against pressure) or F5 (speed-up against the swept field), PNG + PDF."""
-    plt, sns = _plt()
+    plt, sns = pyplot()
     name = result["scenario"]["name"]
     fig, ax = plt.subplots(figsize=(5.5, 3.4))
     if result.get("sweep"):
@@ -239,6 +222,6 @@ def make_figures(result: dict, paper: dict, out: Path) -> list[Path]:
         return []
     ax.legend(fontsize=7)
     ax.set_title(f"{name} (simulated, {result['hardware']['name']})", fontsize=9)
-    paths = _save(fig, Path(out), stem)
+    paths = save_figure(fig, Path(out), stem)
     plt.close(fig)
     return paths

@@ -17,8 +17,9 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-from lrmoe.files import atomic_write, write_json
+from lrmoe.files import write_json
 from lrmoe.run_folder import DAMAGED, DONE, run_state
+from paper_figures.figures import pyplot, save_figure
 from paper_figures.results import FAMILY_NAMES, Run, paper_numbers
 from paper_figures.tables import SCORER_NAMES, md_table, write_table
 
@@ -235,32 +236,11 @@ def _tex(parts) -> str:
 # ----------------------------------------------------------------------------- figures
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import seaborn as sns
-
-    sns.set_theme(style="whitegrid", context="paper")
-    return plt, sns
-
-
-def _save(fig, out: Path, stem: str) -> list[Path]:
-    d = out / "figures"
-    d.mkdir(parents=True, exist_ok=True)
-    files = [d / f"{stem}.png", d / f"{stem}.pdf"]
-    for path in files:
-        atomic_write(path, lambda f: fig.savefig(f, format=path.suffix[1:], bbox_inches="tight",
-                                                 **({"dpi": 150} if path.suffix == ".png" else {})))
-    return files
-
-
 def figure(a: dict, g: Grid, metric: str, out: Path) -> list[Path]:
     """``metric`` against the drop ratio, one line per series (the other varied options) with its
     interval band, one panel per family, and the paper's points in a panel beside (ΔPPL only);
     a point plot with interval bars when the grid does not vary the drop ratio."""
-    plt, sns = _plt()
+    plt, sns = pyplot()
     m = get_metric(metric)
     fams = list(dict.fromkeys(e["variant"]["family"] for e in a["effects"]))
     by_drop = "drop_ratio" in g.varied()
@@ -308,7 +288,7 @@ def figure(a: dict, g: Grid, metric: str, out: Path) -> list[Path]:
         _paper_panel(axes[0][-1], fams, colors, series_keys)
     fig.suptitle(f"Ablation {g.name}: {m.label}", fontsize=9)
     fig.tight_layout()
-    files = _save(fig, out, f"{g.name}_{metric}")
+    files = save_figure(fig, out, f"{g.name}_{metric}")
     plt.close(fig)
     return files
 
