@@ -36,7 +36,8 @@ reproduce: venv
 	$(VENV)/bin/lrmoe reproduce --preset $(PRESET)
 
 # `make ablate`: the ablation grids that fit 2 CPU cores, one after another (docs/ablations.md: cost);
-# `make ablate GRIDS=quota` runs one. Tables and figures: results/ablations/<grid>/.
+# `make ablate GRIDS=quota` runs one. Runs, tables and figures: results/ablations-local/<grid>/ (git-ignored;
+# the committed reference is results/ablations/<grid>/).
 GRIDS ?= drop_ratio quota mask_vs_compact unbiased phi
 
 ablate: venv

@@ -14,7 +14,7 @@ DESCRIPTION = ("`lrmoe ablate GRID`: train the runs of an ablation grid (ablatio
 
 
 def _options(p) -> None:
-    p.add_argument("--out", default=None, help="results folder (default: results/ablations/<grid name>)")
+    p.add_argument("--out", default=None, help="results folder (default: results/ablations-local/<grid name>, git-ignored; the committed reference is results/ablations/<grid name>)")
     p.add_argument("--only", default=None, metavar="REGEX", help="only runs whose name matches (e.g. 'C90')")
     p.add_argument("--dry-run", action="store_true", help="list the runs, their baselines and status; run nothing")
     p.add_argument("--data", default=None, help="Alpaca source for every run (default: the preset's)")

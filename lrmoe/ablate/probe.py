@@ -312,7 +312,8 @@ class _Parser(argparse.ArgumentParser):
 
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="lrmoe ablate probe", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="results/ablations/probe", help="results folder (default: %(default)s)")
+    p.add_argument("--out", default="results/ablations-local/probe",
+                   help="results folder (default: %(default)s, git-ignored; the committed reference is results/ablations/probe)")
     p.add_argument("--run", default=None, help="an `lrmoe train` run folder whose checkpoint is probed (default: a "
                                                "small model trained briefly in OUT/model)")
     p.add_argument("--data", default=None, help="Alpaca source of the default model (default: the cpu preset's sample)")

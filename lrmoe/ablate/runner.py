@@ -25,14 +25,22 @@ def find_grid(grid: str) -> Path:
     raise GridError(f"grid {grid!r}: no such file, and no ablations/{grid}.toml; the kit's grids: {known}")
 
 
+#: The committed reference results of every grid (``results/ablations/<grid name>/``).
+REFERENCE_ROOT = Path("results") / "ablations"
+#: Where a user's runs go by default (git-ignored), as ``lrmoe reproduce`` writes ``results/<preset>-local``:
+#: a fresh clone's ``lrmoe ablate GRID`` trains, instead of finding the committed reference done.
+LOCAL_ROOT = Path("results") / "ablations-local"
+
+
 def default_out(g: Grid) -> Path:
-    return Path("results") / "ablations" / g.name
+    return LOCAL_ROOT / g.name
 
 
 def ablate(grid, out_dir=None, only: str | None = None, dry_run: bool = False, data: str | None = None,
            jobs: int | None = None, progress: bool = True, figures: bool = True) -> int:
     """Run every pending run of ``grid`` (a file, a grid name, or a :class:`Grid`) into ``out_dir``
-    (default ``results/ablations/<grid name>/``), then write its tables and (``figures``) figures. Exit codes
+    (default ``results/ablations-local/<grid name>/``; the committed reference is
+    ``results/ablations/<grid name>/``), then write its tables and (``figures``) figures. Exit codes
     and refusals are `lrmoe reproduce`'s (:func:`lrmoe.reproduce.driver.reproduce`); a bad grid or
     argument raises :class:`lrmoe.runs.UsageError` before anything is written."""
     g = grid if isinstance(grid, Grid) else load_grid(find_grid(str(grid)))
