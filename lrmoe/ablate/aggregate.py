@@ -263,8 +263,13 @@ def figure(a: dict, g: Grid, metric: str, out: Path) -> list[Path]:
                 ys = [0.0] + [e["metrics"][metric]["mean"] for e in pts]
                 lo = [0.0] + [_or(e["metrics"][metric]["lo"], e["metrics"][metric]["mean"]) for e in pts]
                 hi = [0.0] + [_or(e["metrics"][metric]["hi"], e["metrics"][metric]["mean"]) for e in pts]
-                ax.plot(xs, ys, marker="o", ms=3, lw=1, color=colors[s], label=name)
-                ax.fill_between(xs, lo, hi, color=colors[s], alpha=0.15, lw=0)
+                if len(pts) >= 2:  # a curve only through measured drop ratios: C0 and at least two more
+                    ax.plot(xs, ys, marker="o", ms=3, lw=1, color=colors[s], label=name)
+                    ax.fill_between(xs, lo, hi, color=colors[s], alpha=0.15, lw=0)
+                else:  # one drop ratio beside the baseline: points and interval bars, no line between them
+                    dodge = 0.012 * (i - (len(all_series) - 1) / 2)  # side by side at the same ratio
+                    ax.errorbar([x + dodge * (x > 0) for x in xs], ys, yerr=[[y - a for y, a in zip(ys, lo)], [b - y for y, b in zip(ys, hi)]],
+                                fmt="o", ms=4, capsize=3, color=colors[s], label=name)
             else:
                 for e in pts:
                     est = e["metrics"][metric]
@@ -275,6 +280,7 @@ def figure(a: dict, g: Grid, metric: str, out: Path) -> list[Path]:
             ax.set_xticklabels([" ".join(_series_label(k, v) for k, v in zip(series_keys, s)) for s in all_series],
                                fontsize=7, rotation=20)
         else:
+            ax.set_xticks(sorted({0.0, *(e["variant"]["drop_ratio"] for e in mine)}))  # the measured ratios only
             ax.set_xlabel("drop ratio (0: the baseline)")
         ax.axhline(0.0, color="0.3", lw=0.6)
         spread = sorted(abs(v) for e in mine for k in ("mean", "lo", "hi") if (v := e["metrics"][metric][k]))
