@@ -184,6 +184,7 @@ def _finished(d: Path, summary: dict) -> RunState:
         rows = read_metrics(path)
     except CorruptFileError as e:
         return RunState(DAMAGED, str(e), summary)
+    raw = path.read_bytes()  # for what read_metrics forgives: a torn or undecodable last line
     steps = summary.get("config", {}).get("steps")
     if not rows:
         return RunState(DAMAGED, f"{path}: empty, but {SUMMARY} says the run is done"
@@ -200,9 +201,9 @@ def _finished(d: Path, summary: dict) -> RunState:
             what = (f"step(s) {_ranges(missing)} missing" if missing else
                     f"rows of steps outside 1..{steps} ({', '.join(map(str, extra[:5]))}{', ...' if len(extra) > 5 else ''})"
                     if extra else "steps out of order or repeated")
-            torn = " (its last line is torn)" if missing == [steps] and path.read_bytes()[-1:] != b"\n" else ""
+            torn = " (its last line is torn)" if missing == [steps] and raw[-1:] != b"\n" else ""
             return RunState(DAMAGED, f"{path}: {len(rows)} row(s) for a run of {steps} steps, {what}{torn}", summary)
-    lines = path.read_bytes().split(b"\n")
+    lines = raw.split(b"\n")
     if len(lines) - (lines[-1] == b"") > len(rows):
         # read_metrics drops an undecodable last line (a torn append of a run still writing); after
         # every row of a finished run (its summary is written after its last row) it is damage

@@ -268,8 +268,9 @@ def figure(a: dict, g: Grid, metric: str, out: Path) -> list[Path]:
                     ax.fill_between(xs, lo, hi, color=colors[s], alpha=0.15, lw=0)
                 else:  # one drop ratio beside the baseline: points and interval bars, no line between them
                     dodge = 0.012 * (i - (len(all_series) - 1) / 2)  # side by side at the same ratio
-                    ax.errorbar([x + dodge * (x > 0) for x in xs], ys, yerr=[[y - a for y, a in zip(ys, lo)], [b - y for y, b in zip(ys, hi)]],
-                                fmt="o", ms=4, capsize=3, color=colors[s], label=name)
+                    err = [[y - a for y, a in zip(ys, lo)], [b - y for y, b in zip(ys, hi)]]
+                    ax.errorbar([x + dodge * (x > 0) for x in xs], ys, yerr=err, fmt="o", ms=4, capsize=3,
+                                color=colors[s], label=name)
             else:
                 for e in pts:
                     est = e["metrics"][metric]

@@ -25,8 +25,6 @@ def find_grid(grid: str) -> Path:
     raise GridError(f"grid {grid!r}: no such file, and no ablations/{grid}.toml; the kit's grids: {known}")
 
 
-#: The committed reference results of every grid (``results/ablations/<grid name>/``).
-REFERENCE_ROOT = Path("results") / "ablations"
 #: Where a user's runs go by default (git-ignored), as ``lrmoe reproduce`` writes ``results/<preset>-local``:
 #: a fresh clone's ``lrmoe ablate GRID`` trains, instead of finding the committed reference done.
 LOCAL_ROOT = Path("results") / "ablations-local"

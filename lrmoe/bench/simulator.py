@@ -23,6 +23,7 @@ plans, bytes and times with what the runtime did.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import socket
@@ -326,8 +327,8 @@ def report(args, gathered, runs, env) -> None:
             same += bool(np.array_equal(p.send_GN, q.send_GN) and np.array_equal(p.backward_quota_GN, q.backward_quota_GN)
                          and p.instances == q.instances)
             # the per-rank memory the runtime's plan reports (its own ModelDims) against the simulator's
-            same_memory += all(np.array_equal(getattr(p.memory, f), getattr(q.memory, f))
-                               for f in ("base_G", "replicas_G", "dispatch_G", "saved_G", "backward_G"))
+            same_memory += all(np.array_equal(getattr(p.memory, f.name), getattr(q.memory, f.name))
+                               for f in dataclasses.fields(p.memory))
         comm = [g["runs"][i]["comm"] for g in gathered]
         meas_bytes = [sum(c[s].get("fwd_dispatch", 0) for c in comm) for s in range(timed)]
         bytes_ok = sum(mb == _row_bytes(p, H, 4) for mb, p in zip(meas_bytes, plans[1:]))

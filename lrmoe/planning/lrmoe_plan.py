@@ -64,6 +64,14 @@ def _quota(d_E: np.ndarray, n_keep: int, policy: str, options: dict, drop_ratio:
     return quota_for(d_E, n_keep, policy, drop_ratio=drop_ratio if exact else None, **options)
 
 
+def _over_memory_floor(dims: ModelDims, num_ranks: int, pairs: int, kept: int, budget) -> bool:
+    """No plan keeping ``kept`` of ``pairs`` routed pairs fits ``budget``: the ranks' mean memory
+    before any replica (:func:`lrmoe.planning.memory.total_memory_floor`, the same for every
+    placement) is over it, and the peak is at least the ceiled mean (exact int/float compare)."""
+    floor = total_memory_floor(dims, dims.num_experts, pairs, kept)
+    return math.isfinite(budget) and -(-floor // num_ranks) > budget
+
+
 def _greedy_context(mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, domain_G) -> dict:
     """What :func:`_greedy` reads at every threshold, as Python lists (built once per quota)."""
     G = len(mem_G)
@@ -203,8 +211,8 @@ class _QuotaSearch:
         self.lo, self.top = math.floor(cost_G.sum() / G), math.ceil(cost_G.max(initial=0.0))
         self.candidate_args = (d_GE, q_E, cluster, dims, budget, backward_weight, info)
         self.budget = budget
-        # No plan of these quotas fits when the ranks' mean memory is over the budget (exact integers)
-        self.floor = total_memory_floor(dims, E, int(d_E.sum()), int(np.asarray(q_E).sum()))
+        # No plan of these quotas fits when the ranks' mean memory is over the budget
+        self.over_floor = _over_memory_floor(dims, G, int(d_E.sum()), int(np.asarray(q_E).sum()), budget)
         self.greedy_memo: dict[int, list | None] = {}
         self.candidate_memo: dict[int, _Candidate | None] = {}
         self.hi: int | None = None
@@ -237,7 +245,7 @@ class _QuotaSearch:
         cost-optimal candidate first (cheaper where it usually fits: no memory pressure)."""
         if not math.isfinite(self.budget):
             return self.result().fits
-        if -(-self.floor // len(self.args[0])) > self.budget:  # the peak >= the ceiled mean (exact int/float compare)
+        if self.over_floor:
             return False
         if not top_first and self.candidate(self.threshold()).fits:
             return True
@@ -453,11 +461,6 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
             searches[key] = _QuotaSearch(d_GE, q_E, cluster, dims, budget_bytes, **kw)
         return searches[key]
 
-    def over_floor(P, n_keep) -> bool:
-        """The test :meth:`_QuotaSearch.fits` starts with (its quotas sum to min(n_keep, P))."""
-        floor = total_memory_floor(dims, dims.num_experts, P, min(n_keep, P))
-        return math.isfinite(budget_bytes) and -(-floor // cluster.num_ranks) > budget_bytes
-
     kept: dict[bytes, int | None] = {}  # demand piece -> its shrunk_keep, within this call
 
     def shrunk_keep(d_GE):
@@ -472,11 +475,10 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
         P = int(d_GE.sum())
 
         def fits_keep(n_keep, top_first=True):
-            # _QuotaSearch.fits answers False without a pass when the ranks' mean memory is over the
-            # budget; that needs only the pair counts, so such probes skip the quotas and the search.
-            if over_floor(P, n_keep):
-                return False
-            return search(d_GE, n_keep).fits(top_first)
+            # _QuotaSearch.fits starts with the same floor test (its quotas sum to min(n_keep, P)); it
+            # needs only the pair counts, so probes it refuses skip the quotas and the search
+            return not _over_memory_floor(dims, cluster.num_ranks, P, min(n_keep, P), budget_bytes) \
+                and search(d_GE, n_keep).fits(top_first)
 
         hi_keep = retained_total(P, drop_ratio)
         if fits_keep(hi_keep, top_first=False):  # the requested quotas usually fit

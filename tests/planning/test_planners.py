@@ -133,6 +133,7 @@ def test_plan_check_refuses_inconsistent_instances():
     for why, b in bad.items():
         with pytest.raises(ValueError, match="valid experts, ranks and distinct slots"):
             dataclasses.replace(p, instances=tuple(inst[:-1] + [b])).check()
+            pytest.fail(f"accepted: {why}")
     extra_owner = Instance(inst[0].expert, inst[0].rank, 99, False)  # expert 0 owned twice, all else intact
     zero = np.zeros((p.send_GN.shape[0], 1), dtype=np.int64)
     with pytest.raises(ValueError, match="at most one owner"):
