@@ -86,7 +86,9 @@ def _sigterm_once_training(tmp_path, jobs: int, training: list[str], sigint=sign
             rc = proc.wait(timeout=STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             pytest.fail(f"still running {STOP_TIMEOUT_S}s after SIGTERM:\n{log_path.read_text()[-3000:]}")
-        ps = subprocess.run(["ps", "-o", "pid=,args=", "-g", str(proc.pid)], capture_output=True, text=True).stdout
+        # -ww: without a terminal ps cuts each line at 80 columns, and under a long checkout path
+        # the tracker's "from multiprocessing.resource_tracker import main" lost its name to the cut.
+        ps = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "-g", str(proc.pid)], capture_output=True, text=True).stdout
         # A process whose command line ps shows in brackets ("[python]", "[python] <defunct>") has
         # already released its memory on its way out: it runs no more Python code.
         left = [line for line in ps.splitlines()
