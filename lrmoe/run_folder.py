@@ -19,10 +19,11 @@ from .files import CorruptFileError, read_json, read_jsonl
 
 SUMMARY, METRICS, LOCK = "summary.json", "metrics.jsonl", ".lrmoe.lock"
 CHECKPOINT = "checkpoint.pt"  # the main checkpoint file (lrmoe.train.checkpoint.MAIN)
+TRACE = "routing_trace.npz"  # an expert-parallel run's routing trace (lrmoe.sim.trace format), which T3 replays
 NEW, RUNNING, INTERRUPTED, DONE, DAMAGED = "new", "running", "interrupted", "done", "damaged"
 
 __all__ = ["CHECKPOINT", "CorruptFileError", "DAMAGED", "DONE", "INTERRUPTED", "LOCK", "METRICS", "NEW", "RUNNING",
-           "RunState", "SUMMARY", "lock_holder", "read_metrics", "read_summary", "run_folder_lock", "run_state",
+           "RunState", "SUMMARY", "TRACE", "lock_holder", "read_metrics", "read_summary", "run_folder_lock", "run_state",
            "run_status"]
 
 

@@ -1,8 +1,10 @@
 """T3 (time to fixed loss targets per method) and F4 (loss against cumulative MoE-layer time), from E3.
 
 E3 trains every method with its expert-parallel semantics (``lrmoe train --virtual-ep 8`` at cpu
-scale, :mod:`lrmoe.reproduce.experiments`); each run logs its per-step MoE-layer time and writes
-its routing trace. Per model family:
+scale, ``torchrun ... lrmoe train --ep 8 --record-trace`` in the ``paper`` preset;
+:mod:`lrmoe.reproduce.experiments`); each run logs its per-step MoE-layer time and writes its
+routing trace. Per model family and seed (each seed paired with its own C0 and SYMI runs; over the
+seeds, means and 95 % t intervals, :func:`summarise`):
 
 * **targets**: the training loss the fixed-ownership run (C0: dropless, full backward) reaches at
   :data:`TARGET_FRACTIONS` of its steps, read off its smoothed curve;
@@ -10,9 +12,10 @@ its routing trace. Per model family:
   ``max(3, ceil(SMOOTH_FRACTION * steps))`` steps (one step's loss is one batch's; the smoothing
   keeps a lucky batch from counting as reaching a target). A method reaches a target at the first
   step whose smoothed loss is at or below it;
-* **time (a), measured**: the run's cumulative ``moe_fwd_s + moe_bwd_s`` to that step: one CPU
-  process executing the experts of all 8 virtual ranks (planning and layouts included), on the
-  machine the run names; not a cluster's time;
+* **time (a), measured**: the run's cumulative ``moe_fwd_s + moe_bwd_s`` to that step: for a
+  virtual-EP run one CPU process executing the experts of all 8 virtual ranks (planning and
+  layouts included), on the machine the run names, not a cluster's time; for a torchrun EP run
+  (``paper``) the slowest rank's time on the GPUs, labelled "measured, 8 × GPU";
 * **time (b), simulated**: the run's own routing trace, scaled to the paper's tokens per rank
   (:meth:`lrmoe.sim.trace.Trace.scaled`; regrouped to the paper's 8 ranks if need be), replayed
   step by step through the method's planner and the cost model (:func:`simulated_step_seconds`)
@@ -39,7 +42,10 @@ from pathlib import Path
 
 import numpy as np
 
+from lrmoe.ablate.stats import estimate
+from lrmoe.environment import hardware_label
 from lrmoe.files import read_json, write_json
+from lrmoe.run_folder import TRACE
 
 from .figures import pyplot, save_figure
 from .results import FAMILY_NAMES, Results, Run
@@ -51,7 +57,6 @@ METHOD_ORDER = ("fixed", "symi", "ultraep", "lrmoe")
 METHOD_NAMES = {"fixed": "Fixed ownership (Megatron)", "symi": "SYMI (capacity 1.0)", "ultraep": "UltraEP",
                 "lrmoe": "LRMoE (C20)"}
 SCENARIO_OF = {"qwen3": "paper-qwen3", "glm4": "paper-glm"}
-TRACE_FILE = "routing_trace.npz"
 HARDWARE = "h100-sxm"
 CACHE_DIR = ("sim", "e3")
 
@@ -81,18 +86,27 @@ def targets(c0_curve: list[float | None]) -> list[float]:
     return [c0_curve[max(0, math.ceil(f * n) - 1)] for f in TARGET_FRACTIONS]
 
 
-def e3_runs(res: Results) -> dict[str, dict[str, Run]]:
-    """family -> placement -> the finished E3 run of the first seed (tagged E3 in the manifest, or,
-    without one, any run with ``virtual_ep`` or ``ep`` > 1)."""
-    out: dict[str, dict[str, Run]] = {}
+def e3_runs(res: Results) -> dict[str, dict[int, dict[str, Run]]]:
+    """family -> seed -> placement -> the finished E3 run (tagged E3 in the manifest, or, without
+    one, any run with ``virtual_ep`` or ``ep`` > 1)."""
+    out: dict[str, dict[int, dict[str, Run]]] = {}
     tagged = any("E3" in r.experiments for r in res.runs.values())
     fams = list(FAMILY_NAMES)  # qwen3, then glm4, then any other family
     for r in sorted(res.runs.values(), key=lambda r: (fams.index(r.family) if r.family in fams else len(fams),
                                                        r.family, r.seed, r.name)):
         is_e3 = "E3" in r.experiments if tagged else max(r.config.get("virtual_ep", 1), r.config.get("ep", 1)) > 1
         if is_e3 and r.done:
-            out.setdefault(r.family, {}).setdefault(r.config.get("placement", "?"), r)
+            out.setdefault(r.family, {}).setdefault(r.seed, {}).setdefault(r.config.get("placement", "?"), r)
     return out
+
+
+def measured_where(run: Run) -> str:
+    """Where column (a) of a run was measured: ``8x NVIDIA H100 80GB HBM3, EP8`` for a torchrun
+    EP run (the slowest rank's time), the CPU and "8 virtual EP ranks in one process" for a
+    virtual-EP run."""
+    label = hardware_label(run.summary.get("environment", {}), run.summary.get("distributed"))
+    g = int(run.config.get("virtual_ep") or 1)
+    return f"{label}; {g} virtual EP ranks in one process" if g > 1 else label
 
 
 # ----------------------------------------------------------------------------- simulated time
@@ -148,7 +162,7 @@ def _paper_trace(run: Run, sc):
     from lrmoe.sim.scenarios import MODELS
     from lrmoe.sim.trace import load_trace
 
-    tr = load_trace(run.dir / TRACE_FILE)
+    tr = load_trace(run.dir / TRACE)
     if tr.num_ranks != sc.ranks:
         tr = tr.regrouped(sc.ranks)
     return tr.scaled(sc.tokens_per_rank * MODELS[sc.model][3])
@@ -163,7 +177,7 @@ def simulate_family(res: Results, family: str, runs: dict[str, Run], say=None) -
 
     sc = _scenario(family)
     methods = {m.placement: m for m in PAPER_METHODS}
-    traces = {pl: _paper_trace(r, sc) for pl, r in runs.items() if (r.dir / TRACE_FILE).exists()}
+    traces = {pl: _paper_trace(r, sc) for pl, r in runs.items() if (r.dir / TRACE).exists()}
     if not traces:
         return {}
     budget = max(budget_bytes_for(sc, t.counts) for t in traces.values())
@@ -201,66 +215,133 @@ def simulate_family(res: Results, family: str, runs: dict[str, Run], say=None) -
 
 
 # ----------------------------------------------------------------------------- data
+KINDS = ("measured", "simulated", "simulated_no_planning")
+
+
+def seed_data(res: Results, family: str, runs: dict[str, Run], say=None) -> dict | None:
+    """One seed of a family (placement -> run): its targets (from its own fixed-ownership run), and
+    per method the curve, steps and the three times to each target, and the reductions against the
+    same seed's SYMI run. None without a fixed-ownership run."""
+    c0 = runs.get("fixed")
+    if c0 is None:
+        return None
+    sims = simulate_family(res, family, runs, say)
+    win = window_of(len(c0.rows))
+    tgs = targets(smoothed([r.get("loss") for r in c0.rows], win))
+    methods = {}
+    for pl in [p for p in METHOD_ORDER if p in runs] + sorted(set(runs) - set(METHOD_ORDER)):
+        r = runs[pl]
+        curve = smoothed([row.get("loss") for row in r.rows], win)
+        measured = np.cumsum([row.get("moe_fwd_s", 0.0) + row.get("moe_bwd_s", 0.0) for row in r.rows]).tolist()
+        sim = sims.get(pl)
+        cum = {"measured": measured}
+        for kind, key in (("simulated", "step_s"), ("simulated_no_planning", "step_s_no_planning")):
+            ok = sim and len(sim.get(key, ())) == len(curve)
+            cum[kind] = np.cumsum(sim[key]).tolist() if ok else None
+        reach = []
+        for t in tgs:
+            i = first_reach(curve, t)
+            reach.append({"step": None if i is None else i + 1,
+                          **{f"{k}_s": None if i is None or v is None else v[i] for k, v in cum.items()}})
+        methods[pl] = {"run": r.name, "curve": curve, "measured_cum_s": measured, "simulated_cum_s": cum["simulated"],
+                       "simulated_no_planning_cum_s": cum["simulated_no_planning"], "reach": reach,
+                       "measured_on": measured_where(r)}
+    symi = methods.get("symi")
+    for pl, m in methods.items():
+        for j, rc in enumerate(m["reach"]):
+            for kind in KINDS:
+                a = rc.get(f"{kind}_s")
+                b = symi["reach"][j].get(f"{kind}_s") if symi else None
+                rc[f"{kind}_vs_symi_pct"] = 100 * (1 - a / b) if a is not None and b else None
+                # SYMI never reached the target: it needs more than its whole run, a lower bound
+                total = (symi.get(f"{kind}_cum_s") or [None])[-1] if symi else None
+                rc[f"{kind}_vs_symi_pct_at_least"] = (100 * (1 - a / total) if a is not None and b is None
+                                                      and symi["reach"][j]["step"] is None and total else None)
+    return {"seed": c0.seed, "steps": len(c0.rows), "window": win, "targets": tgs, "methods": methods}
+
+
+def summarise(seeds: list[dict]) -> dict[str, list[dict]]:
+    """placement -> per target, over the seeds (each paired with its own C0 targets and SYMI run):
+    ``n`` seeds with the method, ``reached`` of them; the steps and each kind's time to the target
+    over the seeds that reached it, and the reduction against SYMI over the seeds where both have a
+    time (or SYMI a whole run: a lower bound, counted in ``<kind>_vs_symi_bounds``), each an
+    :func:`lrmoe.ablate.stats.estimate` (mean, 95 % t interval from 2 seeds, n)."""
+    order = []
+    for sd in seeds:
+        order += [pl for pl in sd["methods"] if pl not in order]
+    out = {}
+    for pl in order:
+        cells = []
+        for j in range(len(seeds[0]["targets"])):
+            rcs = [sd["methods"][pl]["reach"][j] for sd in seeds if pl in sd["methods"]]
+            hit = [rc for rc in rcs if rc["step"] is not None]
+            cell = {"n": len(rcs), "reached": len(hit), "steps": estimate([rc["step"] for rc in hit]).to_dict()}
+            for kind in KINDS:
+                cell[f"{kind}_s"] = estimate([rc[f"{kind}_s"] for rc in hit if rc[f"{kind}_s"] is not None]).to_dict()
+                exact = [rc[f"{kind}_vs_symi_pct"] for rc in rcs if rc[f"{kind}_vs_symi_pct"] is not None]
+                bounds = [rc[f"{kind}_vs_symi_pct_at_least"] for rc in rcs
+                          if rc.get(f"{kind}_vs_symi_pct_at_least") is not None]
+                cell[f"{kind}_vs_symi_pct"] = estimate(exact + bounds).to_dict()
+                cell[f"{kind}_vs_symi_bounds"] = len(bounds)
+            cells.append(cell)
+        out[pl] = cells
+    return out
+
+
 def t3_data(res: Results, say=None) -> list[dict]:
-    """Per family: targets, and per method the curve, steps and both times to each target."""
+    """Per family: per seed its targets, and per method the curve, steps and both times to each
+    target (:func:`seed_data`); over the seeds, :func:`summarise`."""
     out = []
-    for family, runs in e3_runs(res).items():
-        c0 = runs.get("fixed")
-        if c0 is None:
+    for family, by_seed in e3_runs(res).items():
+        seeds = [sd for seed in sorted(by_seed) if (sd := seed_data(res, family, by_seed[seed], say)) is not None]
+        if not seeds:
             continue
-        sims = simulate_family(res, family, runs, say)
-        win = window_of(len(c0.rows))
-        tgs = targets(smoothed([r.get("loss") for r in c0.rows], win))
-        methods = {}
-        for pl in [p for p in METHOD_ORDER if p in runs] + sorted(set(runs) - set(METHOD_ORDER)):
-            r = runs[pl]
-            curve = smoothed([row.get("loss") for row in r.rows], win)
-            measured = np.cumsum([row.get("moe_fwd_s", 0.0) + row.get("moe_bwd_s", 0.0) for row in r.rows]).tolist()
-            sim = sims.get(pl)
-            cum = {"measured": measured}
-            for kind, key in (("simulated", "step_s"), ("simulated_no_planning", "step_s_no_planning")):
-                ok = sim and len(sim.get(key, ())) == len(curve)
-                cum[kind] = np.cumsum(sim[key]).tolist() if ok else None
-            reach = []
-            for t in tgs:
-                i = first_reach(curve, t)
-                reach.append({"step": None if i is None else i + 1,
-                              **{f"{k}_s": None if i is None or v is None else v[i] for k, v in cum.items()}})
-            methods[pl] = {"run": r.name, "curve": curve, "measured_cum_s": measured, "simulated_cum_s": cum["simulated"],
-                           "simulated_no_planning_cum_s": cum["simulated_no_planning"], "reach": reach,
-                           "hardware": r.summary.get("environment", {}).get("cpu_model")}
-        symi = methods.get("symi")
-        for pl, m in methods.items():
-            for j, rc in enumerate(m["reach"]):
-                for kind in ("measured", "simulated", "simulated_no_planning"):
-                    a = rc.get(f"{kind}_s")
-                    b = symi["reach"][j].get(f"{kind}_s") if symi else None
-                    rc[f"{kind}_vs_symi_pct"] = 100 * (1 - a / b) if a is not None and b else None
-                    # SYMI never reached the target: it needs more than its whole run, a lower bound
-                    total = (symi.get(f"{kind}_cum_s") or [None])[-1] if symi else None
-                    rc[f"{kind}_vs_symi_pct_at_least"] = (100 * (1 - a / total) if a is not None and b is None
-                                                          and symi["reach"][j]["step"] is None and total else None)
+        c0 = by_seed[seeds[0]["seed"]]["fixed"]
+        where = sorted({m["measured_on"] for sd in seeds for m in sd["methods"].values()})
         out.append({"family": family, "model": c0.config.get("model"), "overrides": c0.config.get("model_overrides"),
-                    "virtual_ep": c0.config.get("virtual_ep"), "steps": len(c0.rows), "window": win,
-                    "targets": tgs, "fractions": list(TARGET_FRACTIONS), "methods": methods,
+                    "virtual_ep": c0.config.get("virtual_ep"), "ep": c0.config.get("ep"),
+                    "torchrun": int(c0.config.get("ep") or 1) > 1, "measured_on": where,
+                    "seeds": seeds, "summary": summarise(seeds), "fractions": list(TARGET_FRACTIONS),
                     "scenario": SCENARIO_OF[family], "hardware_model": HARDWARE})
     return out
 
 
 # ----------------------------------------------------------------------------- T3
-def _f(v, fmt):
-    return "not reached" if v is None else format(v, fmt)
+def _mean(e: dict, cell: dict, fmt: str, scale: float = 1.0) -> str:
+    """A seed mean, with how many seeds it covers when not all of them reached the target."""
+    if not cell["reached"]:
+        return "not reached"
+    if e["mean"] is None:  # reached, but this kind has no time (a run without a trace: nothing simulated)
+        return "—"
+    v = format(e["mean"] / scale, fmt)
+    return v if cell["reached"] == cell["n"] else f"{v} ({cell['reached']}/{cell['n']} seeds)"
 
 
-def _vs(rc, kind, pl):
-    """The reduction against SYMI: a value, a lower bound where SYMI never reached the target, or why not."""
+def _vs(cell: dict, kind: str, pl: str) -> str:
+    """The reduction against SYMI over the seeds: mean [95 % interval], a lower bound where SYMI
+    never reached the target in some seed ("> x"), or why there is none."""
     if pl == "symi":
         return "—"
-    if rc[f"{kind}_vs_symi_pct"] is not None:
-        return f"{rc[f'{kind}_vs_symi_pct']:+.1f}"
-    if rc.get(f"{kind}_vs_symi_pct_at_least") is not None:
-        return f"> {rc[f'{kind}_vs_symi_pct_at_least']:+.1f} (SYMI not reached)"
-    return "not reached"
+    e, bounds = cell[f"{kind}_vs_symi_pct"], cell[f"{kind}_vs_symi_bounds"]
+    if not e["n"]:
+        return "not reached"
+    notes = [] if not bounds else ["SYMI not reached" + (f" in {bounds}/{e['n']}" if e["n"] > 1 else "")]
+    if e["n"] < cell["n"]:
+        notes.append(f"{e['n']}/{cell['n']} seeds")
+    note = f" ({'; '.join(notes)})" if notes else ""
+    if bounds:
+        return f"> {e['mean']:+.1f}{note}"
+    ci = f" [{e['lo']:+.1f}, {e['hi']:+.1f}]" if e["lo"] is not None else ""
+    return f"{e['mean']:+.1f}{ci}{note}"
+
+
+def _measured_line(fam: dict) -> str:
+    where = "; ".join(fam["measured_on"])
+    if fam["torchrun"]:
+        return (f"*(a) measured, {fam['ep']} × GPU*: cumulative `moe_fwd_s + moe_bwd_s` of the torchrun EP run "
+                f"({where}): per step the slowest rank's time inside the MoE layers (CUDA events).  ")
+    return (f"*(a) measured*: cumulative `moe_fwd_s + moe_bwd_s` of the run ({where}): one CPU process executing "
+            f"the experts of all {fam['virtual_ep']} virtual ranks; a single-process time, not a cluster's.  ")
 
 
 def make_t3(res: Results, paper: dict, out: Path, say=None) -> list[Path] | None:
@@ -272,14 +353,16 @@ def make_t3(res: Results, paper: dict, out: Path, say=None) -> list[Path] | None
             "(b) simulated, min", "(b) vs SYMI %", "(b) without planning, min", "vs SYMI %"]
     rows = []
     for fam in data:
-        for j, (frac, tg) in enumerate(zip(fam["fractions"], fam["targets"])):
-            for pl, m in fam["methods"].items():
-                rc = m["reach"][j]
-                mins = [None if rc[k] is None else rc[k] / 60 for k in ("simulated_s", "simulated_no_planning_s")]
-                rows.append([FAMILY_NAMES.get(fam["family"], fam["family"]), f"{tg:.4f} ({100 * frac:.0f} %)",
-                             METHOD_NAMES.get(pl, pl), _f(rc["step"], "d"), _f(rc["measured_s"], ".2f"),
-                             _vs(rc, "measured", pl), _f(mins[0], ".3f"), _vs(rc, "simulated", pl),
-                             _f(mins[1], ".3f"), _vs(rc, "simulated_no_planning", pl)])
+        for j, frac in enumerate(fam["fractions"]):
+            tgs = [sd["targets"][j] for sd in fam["seeds"]]
+            tg = f"{tgs[0]:.4f}" if len(tgs) == 1 else f"{min(tgs):.4f}–{max(tgs):.4f}"
+            for pl, cells in fam["summary"].items():
+                c = cells[j]
+                rows.append([FAMILY_NAMES.get(fam["family"], fam["family"]), f"{tg} ({100 * frac:.0f} %)",
+                             METHOD_NAMES.get(pl, pl), _mean(c["steps"], c, ".0f"), _mean(c["measured_s"], c, ".2f"),
+                             _vs(c, "measured", pl), _mean(c["simulated_s"], c, ".3f", 60),
+                             _vs(c, "simulated", pl), _mean(c["simulated_no_planning_s"], c, ".3f", 60),
+                             _vs(c, "simulated_no_planning", pl)])
     q = p["qwen3_to_loss_0.02"]
     paper_line = (f"LRMoE needs {p['reduction_vs_symi_pct_range'][0]}–{p['reduction_vs_symi_pct_range'][1]} % less "
                   f"cumulative MoE-layer time than SYMI to fixed loss targets (Qwen3 "
@@ -290,27 +373,33 @@ def make_t3(res: Results, paper: dict, out: Path, say=None) -> list[Path] | None
     first = data[0]
     models = "; ".join(f"{FAMILY_NAMES.get(d['family'], d['family'])}: `{d['model']}` with {d['overrides']}"
                        for d in data)
-    cpu = next((m["hardware"] for d in data for m in d["methods"].values() if m["hardware"]), "?")
-    md = [f"**T3. Time to a fixed loss target: steps and cumulative MoE-layer time per method**", "",
-          f"*Trained* (this kit, E3): preset `{res.preset_name}`; {models}; {first['steps']} steps, "
-          f"{first['virtual_ep']} virtual EP ranks in one process (`lrmoe train --virtual-ep`), seed 0.  ",
-          f"*Targets*: the fixed-ownership run's (C0: dropless, full backward) training loss at "
-          f"{', '.join(f'{100 * f:.0f} %' for f in TARGET_FRACTIONS)} of its steps, trailing mean over "
-          f"{first['window']} steps; a method reaches a target at the first step its trailing mean is at or below it.  ",
-          f"*(a) measured*: cumulative `moe_fwd_s + moe_bwd_s` of the run: one CPU process ({cpu}) executing the "
-          f"experts of all {first['virtual_ep']} virtual ranks; a single-process time, not a cluster's.  ",
+    seeds = sorted({sd["seed"] for d in data for sd in d["seeds"]})
+    par = (f"EP{first['ep']} under torchrun (`lrmoe train --ep {first['ep']}`)" if first["torchrun"] else
+           f"{first['virtual_ep']} virtual EP ranks in one process (`lrmoe train --virtual-ep`)")
+    md = ["**T3. Time to a fixed loss target: steps and cumulative MoE-layer time per method**", "",
+          f"*Trained* (this kit, E3): preset `{res.preset_name}`; {models}; {first['seeds'][0]['steps']} steps, "
+          f"{par}, seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}.  ",
+          f"*Targets*: per seed, its fixed-ownership run's (C0: dropless, full backward) training loss at "
+          f"{', '.join(f'{100 * f:.0f} %' for f in TARGET_FRACTIONS)} of its steps (the range over seeds is shown), "
+          f"trailing mean over {first['seeds'][0]['window']} steps; a method reaches a target at the first step its "
+          f"trailing mean is at or below it.  ",
+          *[_measured_line(d) for d in data[:1] + [d for d in data[1:] if d["measured_on"] != first["measured_on"]]],
           f"*(b) simulated*: the run's own routing trace scaled to 32,768 tokens per rank, replayed through the "
           f"method's planner and the cost model on the `{HARDWARE}` hardware model with the paper's model "
           f"dimensions and EP8 cluster (scenarios `paper-qwen3` / `paper-glm`); per-step time of the run's MoE layers "
           f"× the paper model's MoE layers / the run's; with every plan charged the median host time of its planner "
           f"(measured here), and without.  ",
-          f"*vs SYMI*: 100 × (1 − time / SYMI's time) at the same target; where SYMI never reaches it, a lower bound "
-          f"from SYMI's whole run (\"> x\").  ",
+          f"*Over seeds*: steps and times are means over the seeds that reached the target (\"k/n seeds\": "
+          f"k of the n seeds did); *vs SYMI* is "
+          f"100 × (1 − time / SYMI's time) per seed against the same seed's SYMI run, then its mean and 95 % t "
+          f"interval over the seeds (lrmoe.ablate.stats); where SYMI never reaches a target, that seed's value is a "
+          f"lower bound from SYMI's whole run, and so is the mean (\"> x\").  ",
           f"*Paper*: {paper_line}.", "", md_table(head, rows), "",
           "What this can and cannot claim: the steps come from real training with each method's semantics (forward "
-          "drops, backward quotas) at cpu scale; the simulated minutes combine those steps with the run's routing "
-          "replayed at the paper's scale, whose skew at 256 tokens per rank carries more sampling noise than the "
-          "paper's 32,768. Neither is the paper's measurement: T3 at paper scale needs the 8-GPU runs.", ""]
+          "drops, backward quotas) at the preset's scale; the simulated minutes combine those steps with the run's "
+          "routing replayed at the paper's scale, whose skew at a preset's few tokens per rank carries more sampling "
+          "noise than the paper's 32,768. Only column (a) of the `paper` preset's torchrun runs is a cluster's "
+          "measurement.", ""]
     write_json(out / "tables" / "T3_time_to_target.json", {"families": data, "paper": p})
     cap = f"T3: time to fixed loss targets per method. Trained: preset {res.preset_name}. Paper: {paper_line}."
     return write_table(out, "T3_time_to_target", md, tex_table(cap, "tab:t3", head, rows)) + [
@@ -319,6 +408,8 @@ def make_t3(res: Results, paper: dict, out: Path, say=None) -> list[Path] | None
 
 # ----------------------------------------------------------------------------- F4
 def make_f4(res: Results, paper: dict, out: Path, say=None) -> list[Path] | None:
+    """Per family, loss against cumulative MoE-layer time, (a) measured and (b) simulated: every
+    seed's curve (the first seed drawn bold), each seed's C0 targets' mean marked."""
     data = t3_data(res, say)
     if not data:
         return None
@@ -327,20 +418,27 @@ def make_f4(res: Results, paper: dict, out: Path, say=None) -> list[Path] | None
     colors = dict(zip(METHOD_ORDER, sns.color_palette("deep", len(METHOD_ORDER))))
     for row, fam in zip(axes, data):
         for ax, kind, unit, scale in ((row[0], "measured_cum_s", "s", 1.0), (row[1], "simulated_cum_s", "min", 60.0)):
-            for pl, m in fam["methods"].items():
-                if m[kind] is None:
-                    continue
-                ax.plot(np.asarray(m[kind]) / scale, m["curve"], label=METHOD_NAMES.get(pl, pl),
-                        color=colors.get(pl), lw=1.4)
-            for frac, tg in zip(fam["fractions"], fam["targets"]):
+            for k, sd in enumerate(fam["seeds"]):
+                for pl, m in sd["methods"].items():
+                    if m[kind] is None:
+                        continue
+                    ax.plot(np.asarray(m[kind]) / scale, m["curve"], label=METHOD_NAMES.get(pl, pl) if k == 0 else None,
+                            color=colors.get(pl), lw=1.4 if k == 0 else 0.8, alpha=1.0 if k == 0 else 0.45)
+            for j, frac in enumerate(fam["fractions"]):
+                tg = statistics.fmean(sd["targets"][j] for sd in fam["seeds"])
                 ax.axhline(tg, color="0.4", ls="--", lw=0.8)
                 ax.text(ax.get_xlim()[1], tg, f" C0 at {100 * frac:.0f} %", va="center", fontsize=7)
             name = FAMILY_NAMES.get(fam["family"], fam["family"])
-            what = ("(a) measured: 1 CPU process, 8 virtual ranks" if kind == "measured_cum_s"
-                    else f"(b) simulated: {HARDWARE}, paper dims, trace scaled")
-            ax.set_title(f"{name}: {what}", fontsize=9)
+            if kind == "measured_cum_s":
+                what = (f"(a) measured, {fam['ep']} × GPU" if fam["torchrun"]
+                        else f"(a) measured: 1 CPU process, {fam['virtual_ep']} virtual ranks")
+            else:
+                what = f"(b) simulated: {HARDWARE}, paper dims, trace scaled"
+            n = len(fam["seeds"])
+            ax.set_title(f"{name}: {what}" + (f" ({n} seeds, seed {fam['seeds'][0]['seed']} bold)" if n > 1 else ""),
+                         fontsize=9)
             ax.set_xlabel(f"cumulative MoE-layer time ({unit})")
-            ax.set_ylabel(f"training loss (trailing mean, {fam['window']} steps)")
+            ax.set_ylabel(f"training loss (trailing mean, {fam['seeds'][0]['window']} steps)")
     handles = {}
     for ax in axes.ravel():
         handles.update(zip(*ax.get_legend_handles_labels()[::-1]))

@@ -218,7 +218,7 @@ def _list_runs(p: Preset, out: Path, runs: list[RunSpec], sv, skip: str | None, 
     width = max([len(sv.label(r.name)) for r in runs] + [8])
     for r in runs:
         c, st = r.config, sv.states[r.name]
-        print(f"  {r.name:28s} {','.join(r.experiments):6s} {sv.label(r.name):{width}s} "
+        print(f"  {r.name:28s} {','.join(r.experiments):8s} {sv.label(r.name):{width}s} "
               f"{p.run_line(r)}", flush=True)
         if r.name in sv.stale and st.state != "damaged":
             print(f"    its folder holds a run of another config ({'; '.join(sv.stale[r.name])}): "

@@ -8,12 +8,15 @@
      process, or ``ep`` ranks under torchrun), on models with the paper's 128 experts and top-8
      routing; each run records its routing trace -> T3, F4 (paper_figures.time_to_target).
 
-Runs shared by both (C0 and C20-lrm of seed 0) run once, tagged with both experiments."""
+Runs shared by both (C0 and C20-lrm of seed 0) run once, tagged with both experiments; so does an
+E3 run whose config is an E1/E2 run's (the ``paper`` preset's LRMoE at C20, whose E1/E2 runs
+already use the LRMoE placement at EP8: that run records its trace and is tagged E3)."""
 from __future__ import annotations
 
 import dataclasses
 
 from lrmoe.runs import RunSpec
+from lrmoe.train.config import config_differences
 
 DROPS_E1 = (0.0, 0.1, 0.2, 0.3)
 SCORERS_E2 = ("lrm", "grad_norm", "abs_grad", "random")
@@ -34,8 +37,10 @@ def e3_run_name(family: str, placement: str, seed: int) -> str:
 
 def e3_runs(p) -> list[RunSpec]:
     """E3's runs of preset ``p`` (none when ``p.e3`` is empty): per family and seed, one run per
-    method of :data:`METHODS_E3`, with ``p.e3``'s settings (``ep`` or ``virtual_ep``, ``steps``,
-    ``seeds``, ``model_overrides`` per family, ``config``: further TrainConfig fields)."""
+    method of :data:`METHODS_E3`, with ``p.e3``'s settings (``seeds``, ``model_overrides`` per
+    family, ``config``: further TrainConfig fields such as ``virtual_ep`` or ``steps``,
+    ``record_trace``: an expert-parallel (``ep``) run records its routing trace in its folder; a
+    virtual-EP run does anyway)."""
     e3 = dict(p.e3 or {})
     if not e3:
         return []
@@ -46,7 +51,8 @@ def e3_runs(p) -> list[RunSpec]:
                 cfg = dict(p.base, model=p.models[fam], drop_ratio=drop, scorer="lrm", seed=seed, placement=placement,
                            model_overrides=dict(e3.get("model_overrides", {}).get(fam, {})),
                            **p.family_config.get(fam, {}), **e3.get("config", {}))
-                out.append(RunSpec(e3_run_name(fam, placement, seed), fam, ("E3",), cfg))
+                out.append(RunSpec(e3_run_name(fam, placement, seed), fam, ("E3",), cfg,
+                                   record_trace=bool(e3.get("record_trace"))))
     return out
 
 
@@ -73,4 +79,13 @@ def preset_runs(p) -> list[RunSpec]:
             add(fam, 0.0, "lrm", seed, "E2")
             for sc in p.e2_scorers:
                 add(fam, p.e2_drop, sc, seed, "E2")
-    return list(specs.values()) + e3_runs(p)
+    runs = list(specs.values())
+    for e in e3_runs(p):  # an E3 run that trains exactly an E1/E2 run's config is that run, tagged E3 too
+        same = next((i for i, r in enumerate(runs) if not config_differences(r.config, e.config)), None)
+        if same is None:
+            runs.append(e)
+        else:
+            r = runs[same]
+            runs[same] = dataclasses.replace(r, experiments=tuple(sorted({*r.experiments, "E3"})),
+                                             record_trace=r.record_trace or e.record_trace)
+    return runs

@@ -52,7 +52,9 @@ class Preset:
     def run_line(self, r: RunSpec) -> str:
         """What the dry run lists of a run, after its name, experiments and state."""
         c = r.config
-        ep = f" placement={c['placement']} virtual_ep={c['virtual_ep']}" if c.get("virtual_ep", 1) > 1 else ""
+        ep = (f" placement={c['placement']} virtual_ep={c['virtual_ep']}" if c.get("virtual_ep", 1) > 1 else
+              f" placement={c['placement']} ep={c['ep']}" if c.get("ep", 1) > 1 else "")
+        ep += " +trace" if r.record_trace else ""
         return f"model={c['model']} drop={c['drop_ratio']} scorer={c['scorer']} seed={c['seed']} steps={c['steps']}{ep}"
 
     def to_dict(self) -> dict:
@@ -90,13 +92,13 @@ PRESETS: dict[str, Preset] = {
         # replay at the paper's dimensions), moe_intermediate 32 (top-8 x 32 = the E1 models' top-4 x 64
         # active expert width), 8 virtual EP ranks as the paper's EP8 (1 row of 256 tokens per rank)
         # (no per-expert logging: 128 experts would triple the metrics files; the routing trace has the demand)
-        e3=dict(seeds=(0,), config=dict(virtual_ep=8, steps=100, warmup_steps=10, eval_interval=50,
+        e3=dict(seeds=(0, 1, 2), config=dict(virtual_ep=8, steps=100, warmup_steps=10, eval_interval=50,
                                         checkpoint_interval=50, sample_layers=[]),
                 model_overrides={"qwen3": {"num_local_experts": 128, "num_experts_per_tok": 8,
                                            "moe_intermediate_size": 32},
                                  "glm4": {"n_routed_experts": 128, "num_experts_per_tok": 8,
                                           "moe_intermediate_size": 32}}),
-        cost="measured: see docs/reproduce.md (target <= 30 minutes on 2 CPU cores, 42 runs)"),
+        cost="measured: see docs/reproduce.md (target <= 30 minutes on 2 CPU cores, 58 runs)"),
     "gpu1": Preset(
         "gpu1", "one Hopper GPU: the paper's Qwen3-30B-A3B and GLM-4.5-Air layer dimensions (128 experts, top-8) "
                 "with fewer layers, bf16 autocast, full Alpaca, seq 8192",
@@ -116,7 +118,13 @@ PRESETS: dict[str, Preset] = {
         family_config={"qwen3": {"init_from": "Qwen/Qwen3-30B-A3B", "tokenizer": "Qwen/Qwen3-30B-A3B"},
                        "glm4": {"init_from": "zai-org/GLM-4.5-Air", "tokenizer": "zai-org/GLM-4.5-Air"}},
         e2_seeds=(0, 1, 2), jobs=1, launcher="torchrun", nproc=8, hardware="8x NVIDIA Hopper (80 GiB), EP8",
-        cost="estimated (not measured): the paper's 10,000-step runs; 34 runs at roughly 1-2 days each on 8 GPUs"),
+        # E3: every method at EP8 with its own placement (the base's lrmoe replaced), each recording its
+        # routing trace; T3/F4 then read their logged MoE-layer times ("measured, 8 x GPU") beside the
+        # simulated replay. One seed: each run costs as much as an E1 run. LRMoE at C20 is E1's C20 run
+        # (the same config), so E3 adds 6 runs (experiments.preset_runs).
+        e3=dict(seeds=(0,), record_trace=True),
+        cost="estimated (not measured): the paper's 10,000-step runs; 34 E1/E2 runs + 6 E3 runs (fixed, SYMI, "
+             "UltraEP x 2 models, one seed; LRMoE is E1's C20 run) at roughly 1-2 days each on 8 GPUs"),
 }
 
 

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lrmoe.train import Interrupted, TrainConfig
+from lrmoe.train import Interrupted
 from lrmoe.train.loop import request_stop
 
 from .spec import RunSpec
@@ -42,7 +42,7 @@ class Outcome:
 def train_one(spec: dict, out_dir: str, progress: bool) -> dict:
     """Worker entry (also used in-process): train one run (a :class:`RunSpec` as a dict) in
     ``out_dir``; returns its name, status, final numbers and wall time."""
-    cfg = TrainConfig.from_dict(spec["config"])
+    cfg = RunSpec(**spec).train_config(out_dir)
     if cfg.threads:
         import torch
 

@@ -1,9 +1,12 @@
 """One training run of a preset or an ablation grid: a stable name, tags, the full config."""
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
+from lrmoe.run_folder import TRACE
 from lrmoe.train import TrainConfig
 
 
@@ -11,15 +14,22 @@ from lrmoe.train import TrainConfig
 class RunSpec:
     """One training run: ``name`` is its folder under the results folder (stable across calls, so a
     rerun finds it), ``family`` and ``experiments`` tag it for the tables, ``config`` holds every
-    :class:`~lrmoe.train.TrainConfig` field the run trains with."""
+    :class:`~lrmoe.train.TrainConfig` field the run trains with. ``record_trace``: the run writes
+    its routing trace to :data:`lrmoe.run_folder.TRACE` in its folder (``--record-trace``; an expert-parallel
+    run only; a virtual-EP run writes it there anyway)."""
 
     name: str
     family: str
     experiments: tuple
     config: dict
+    record_trace: bool = False
 
-    def train_config(self) -> TrainConfig:
-        return TrainConfig.from_dict(self.config)
+    def train_config(self, run_dir=None) -> TrainConfig:
+        """The run's config; with ``run_dir`` and :attr:`record_trace`, recording to the folder's trace."""
+        cfg = TrainConfig.from_dict(self.config)
+        if self.record_trace and run_dir is not None:
+            cfg = dataclasses.replace(cfg, record_trace=str(Path(run_dir) / TRACE))
+        return cfg
 
 
 class UsageError(ValueError):

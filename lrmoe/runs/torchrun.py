@@ -14,11 +14,12 @@ from lrmoe.train import TrainConfig
 from .spec import RunSpec
 
 
-def train_flags(config: dict) -> list[str]:
+def train_flags(config: dict | TrainConfig) -> list[str]:
     """`lrmoe train` flags that rebuild ``config`` (fields that differ from TrainConfig's defaults;
     ep, placement and warmup_steps always (the default warm-up depends on the steps); global_batch
     follows from micro_batch x grad_accum)."""
-    cfg, default = TrainConfig.from_dict(config).to_dict(), TrainConfig().to_dict()
+    cfg = (config if isinstance(config, TrainConfig) else TrainConfig.from_dict(config)).to_dict()
+    default = TrainConfig().to_dict()
     args = []
     for name, v in cfg.items():
         if name == "global_batch" or (v == default[name] and name not in ("ep", "placement", "warmup_steps")):
@@ -36,9 +37,10 @@ def train_flags(config: dict) -> list[str]:
 
 
 def torchrun_command(run: RunSpec, run_dir, nproc: int) -> list[str]:
-    """The command that trains ``run`` in ``run_dir`` with ``nproc`` processes on one node."""
+    """The command that trains ``run`` in ``run_dir`` with ``nproc`` processes on one node (with
+    ``--record-trace run_dir/routing_trace.npz`` when the run records its routing)."""
     return ["torchrun", "--standalone", "--nproc-per-node", str(nproc), "-m", "lrmoe.cli", "train",
-            "--out", str(run_dir), "--no-progress", *train_flags(run.config)]
+            "--out", str(run_dir), "--no-progress", *train_flags(run.train_config(run_dir))]
 
 
 def missing_hardware(runs: list[RunSpec], nproc: int) -> str | None:

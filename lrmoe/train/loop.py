@@ -268,12 +268,10 @@ class Trainer:
         self.trace = None
         if cfg.record_trace or cfg.virtual_ep > 1:  # every virtual-EP run records its routing
             from .trace_record import TraceRecorder
-            from .virtual_ep import TRACE_FILE
 
             G = max(cfg.ep, cfg.virtual_ep)
-            self.trace = TraceRecorder(cfg.record_trace or out / TRACE_FILE, cfg, main=self.main,
-                                       steps_done=self.step_done, tokens_per_rank=cfg.micro_batch // G * cfg.seq_len,
-                                       own_file=not cfg.record_trace)
+            self.trace = TraceRecorder(cfg.record_trace, cfg, run_dir=out, main=self.main, steps_done=self.step_done,
+                                       tokens_per_rank=cfg.micro_batch // G * cfg.seq_len)
         self.base = self._describe()
 
     # ------------------------------------------------------------------ set-up

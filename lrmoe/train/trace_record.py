@@ -7,7 +7,8 @@ call (:func:`lrmoe.train.plan_log.routing_counts` of the runner's ``last_plans``
 the file at every checkpoint and at the end (atomically). A resumed run keeps the micro-batches its
 checkpoint covers and extends them; a trace shorter than that (written by another run) is refused,
 and a fresh run refuses to overwrite an existing file, unless it is the run folder's own trace
-(``own_file``: a virtual-EP run's default ``routing_trace.npz``, rewritten by a restart from step 0).
+(``routing_trace.npz`` in the run folder: a virtual-EP run's default, or where a preset's E3 run
+records; rewritten by a restart from step 0).
 A virtual-EP run's meta says ``"virtual": true`` and its ``ep`` is the virtual G."""
 from __future__ import annotations
 
@@ -16,12 +17,16 @@ from pathlib import Path
 import numpy as np
 
 from ..environment import git_revision
+from ..run_folder import TRACE
 from ..sim.trace import Trace, load_trace, save_trace
 
 
 class TraceRecorder:
-    def __init__(self, path, cfg, *, main: bool, steps_done: int, tokens_per_rank: int, own_file: bool = False):
-        self.path, self.main = Path(path), main
+    def __init__(self, path, cfg, *, run_dir, main: bool, steps_done: int, tokens_per_rank: int):
+        """``path``: where to write (None: the run folder's own trace)."""
+        own = Path(run_dir) / TRACE
+        self.path, self.main = Path(path) if path else own, main
+        own_file = self.path.resolve() == own.resolve()
         virtual = getattr(cfg, "virtual_ep", 1) > 1
         self.meta = {"source": "runtime", "top_k": None, "tokens_per_rank": tokens_per_rank, "model": cfg.model,
                      "placement": cfg.placement, "ep": cfg.virtual_ep if virtual else cfg.ep,

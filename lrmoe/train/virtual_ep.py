@@ -37,8 +37,6 @@ from . import checkpoint
 from .runner import LocalRunner
 
 _VEP_ATTR = "lrmoe_virtual_ep"
-#: The default trace file of a virtual-EP run, in its run folder.
-TRACE_FILE = "routing_trace.npz"
 
 
 def virtual_experts_forward(self: nn.Module, hidden_states, top_k_index, top_k_weights):

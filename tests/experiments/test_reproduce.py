@@ -33,10 +33,12 @@ def smoke(tmp_path_factory):
 def test_presets_are_data():
     cpu = PRESETS["cpu"].runs()
     names = [r.name for r in cpu]
-    assert len(names) == len(set(names)) == 42  # E1 + E2: 34; E3: 4 methods x 2 families
+    assert len(names) == len(set(names)) == 58  # E1 + E2: 34; E3: 4 methods x 2 families x 3 seeds
     e3 = [r for r in cpu if "E3" in r.experiments]
-    assert len(e3) == 8 and all(r.experiments == ("E3",) and r.config["virtual_ep"] == 8 for r in e3)
-    assert sorted(r.config["placement"] for r in e3 if r.family == "qwen3") == ["fixed", "lrmoe", "symi", "ultraep"]
+    assert len(e3) == 24 and all(r.experiments == ("E3",) and r.config["virtual_ep"] == 8 for r in e3)
+    assert {r.config["seed"] for r in e3} == {0, 1, 2}
+    assert sorted(r.config["placement"] for r in e3 if r.family == "qwen3" and r.config["seed"] == 0) == [
+        "fixed", "lrmoe", "symi", "ultraep"]
     for fam in ("qwen3", "glm4"):
         e1 = [r for r in cpu if r.family == fam and "E1" in r.experiments]
         assert sorted(r.config["drop_ratio"] for r in e1) == [0.0, 0.1, 0.2, 0.3]

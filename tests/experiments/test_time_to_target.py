@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from lrmoe.files import write_json
+from lrmoe.run_folder import TRACE
 from lrmoe.sim.scenarios import get_scenario
 from lrmoe.sim.simulate import PAPER_METHODS, run_method
 from lrmoe.sim.hardware import get_hardware
@@ -50,10 +51,10 @@ def test_smoothing_targets_and_reach_by_hand():
     assert ttt.first_reach(curve, 3.0) == 7 and ttt.first_reach(curve, 0.5) is None
 
 
-def _run_folder(root, placement, losses, moe_s, seed):
-    d = root / f"qwen3-E3-{placement}-s0"
+def _run_folder(root, placement, losses, moe_s, trace_seed, seed=0):
+    d = root / f"qwen3-E3-{placement}-s{seed}"
     d.mkdir()
-    cfg = {"model": "qwen3-moe-small", "steps": len(losses), "placement": placement, "virtual_ep": 8, "seed": 0,
+    cfg = {"model": "qwen3-moe-small", "steps": len(losses), "placement": placement, "virtual_ep": 8, "seed": seed,
            "drop_ratio": 0.2 if placement == "lrmoe" else 0.0, "grad_accum": 1,
            "model_overrides": {"num_local_experts": 128, "num_experts_per_tok": 8}}
     (d / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "loss": x, "moe_fwd_s": moe_s / 2,
@@ -61,7 +62,7 @@ def _run_folder(root, placement, losses, moe_s, seed):
                                              for i, x in enumerate(losses)))
     write_json(d / "summary.json", {"status": "done", "steps_done": len(losses), "config": cfg,
                                     "model": {"family": "qwen3_moe"}, "environment": {"cpu_model": "test CPU"}})
-    save_trace(d / ttt.TRACE_FILE, _trace(seed, steps=len(losses)))
+    save_trace(d / TRACE, _trace(trace_seed, steps=len(losses)))
 
 
 def test_t3_and_f4_from_run_folders(tmp_path, monkeypatch):
@@ -74,7 +75,9 @@ def test_t3_and_f4_from_run_folders(tmp_path, monkeypatch):
     paper = paper_numbers()
     files = ttt.make_t3(res, paper, tmp_path)
     assert {f.name for f in files} == {"T3_time_to_target.md", "T3_time_to_target.tex", "T3_time_to_target.json"}
-    data = json.loads((tmp_path / "tables" / "T3_time_to_target.json").read_text())["families"][0]
+    fam = json.loads((tmp_path / "tables" / "T3_time_to_target.json").read_text())["families"][0]
+    assert [sd["seed"] for sd in fam["seeds"]] == [0]
+    data = fam["seeds"][0]
     curve = ttt.smoothed(base, 3)
     assert data["targets"] == pytest.approx(ttt.targets(curve)) and data["window"] == 3
     want = [ttt.first_reach(curve, t) + 1 for t in data["targets"]]
@@ -102,6 +105,11 @@ def test_t3_and_f4_from_run_folders(tmp_path, monkeypatch):
             assert m[pl]["reach"][j]["simulated_s"] > 0
         sim = m["lrmoe"]["simulated_cum_s"]
         assert m["lrmoe"]["reach"][j]["simulated_s"] == pytest.approx(sim[w - 1])
+    for pl in m:  # one seed: the summary is that seed's numbers, without an interval
+        for j, cell in enumerate(fam["summary"][pl]):
+            rc = m[pl]["reach"][j]
+            assert cell["n"] == 1 and cell["reached"] == (rc["step"] is not None)
+            assert cell["measured_s"]["mean"] == rc["measured_s"] and cell["measured_s"]["lo"] is None
     md = (tmp_path / "tables" / "T3_time_to_target.md").read_text()
     assert "simulated" in md and "h100-sxm" in md and "42.5" in md and "64.6 min" in md and "test CPU" in md
     cached = sorted(p.name for p in (tmp_path / "sim" / "e3").iterdir())
@@ -110,6 +118,41 @@ def test_t3_and_f4_from_run_folders(tmp_path, monkeypatch):
     monkeypatch.setattr(ttt, "simulated_step_seconds", lambda *a, **k: pytest.fail("replayed despite the cache"))
     figs = ttt.make_f4(Results.load(tmp_path), paper, tmp_path)
     assert sorted(f.suffix for f in figs) == [".pdf", ".png"] and all(f.stat().st_size > 0 for f in figs)
+
+
+def test_seeds_are_paired_and_summarised_with_t_intervals(tmp_path):
+    """Three seeds: each seed's reduction against its own SYMI run, their mean and t interval;
+    a seed where SYMI never reaches the last target makes that cell a lower bound; a seed where
+    LRMoE misses a target is left out of its mean and counted."""
+    base = [10.0 - 0.75 * i for i in range(STEPS)]
+    lrmoe_s = {0: 0.5, 1: 0.6, 2: 0.4}
+    for seed in (0, 1, 2):
+        _run_folder(tmp_path, "fixed", base, 1.0, 10 + seed, seed)
+        lag = 1 if seed == 2 else 2  # seed 2's SYMI is only one step behind: it reaches every target
+        _run_folder(tmp_path, "symi", [base[0]] * lag + base[:-lag], 1.0, 20 + seed, seed)
+        lr = base if seed != 1 else base[:9] + [base[8]] * 3  # seed 1's LRMoE never reaches the last target
+        _run_folder(tmp_path, "lrmoe", lr, lrmoe_s[seed], 30 + seed, seed)
+    ttt.make_t3(Results.load(tmp_path), paper_numbers(), tmp_path)
+    fam = json.loads((tmp_path / "tables" / "T3_time_to_target.json").read_text())["families"][0]
+    assert [sd["seed"] for sd in fam["seeds"]] == [0, 1, 2]
+    want = [ttt.first_reach(ttt.smoothed(base, 3), t) + 1 for t in fam["seeds"][0]["targets"]]
+    for j, w in enumerate(want[:2]):  # every seed's SYMI reaches the first two targets
+        cell = fam["summary"]["lrmoe"][j]
+        vals = [100 * (1 - lrmoe_s[s] * w / (w + (1 if s == 2 else 2))) for s in (0, 1, 2)]
+        e = cell["measured_vs_symi_pct"]
+        assert cell["n"] == cell["reached"] == 3 and cell["measured_vs_symi_bounds"] == 0
+        assert e["values"] == pytest.approx(vals) and e["mean"] == pytest.approx(np.mean(vals))
+        half = 4.302652729911275 * np.std(vals, ddof=1) / math.sqrt(3)  # t(0.975, 2)
+        assert (e["lo"], e["hi"]) == pytest.approx((np.mean(vals) - half, np.mean(vals) + half))
+        assert cell["steps"]["mean"] == pytest.approx(w)
+    last = fam["summary"]["lrmoe"][2]
+    assert last["n"] == 3 and last["reached"] == 2  # seed 1 missed it
+    assert last["measured_vs_symi_bounds"] == 1  # seed 0's SYMI never reached it: a lower bound
+    assert last["measured_vs_symi_pct"]["n"] == 2
+    md = (tmp_path / "tables" / "T3_time_to_target.md").read_text()
+    assert "(2/3 seeds)" in md and "(SYMI not reached in 1/2; 2/3 seeds)" in md and "seeds 0, 1, 2" in md
+    figs = ttt.make_f4(Results.load(tmp_path), paper_numbers(), tmp_path)
+    assert all(f.stat().st_size > 0 for f in figs)
 
 
 def test_no_e3_runs_no_table(tmp_path):

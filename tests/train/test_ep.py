@@ -238,7 +238,10 @@ def test_paper_commands_rebuild_each_run_config():
     ap = argparse.ArgumentParser()
     register_cli(ap.add_subparsers(dest="command"))
     pl = plan("paper", "/tmp/results-paper", data="alpaca.json")
-    assert len(pl["runs"]) == 34
+    assert len(pl["runs"]) == 40  # E1/E2: 34; E3: fixed, SYMI, UltraEP per family (LRMoE C20 is E1's run)
+    e3 = {r.name: r for r in pl["runs"] if "E3" in r.experiments}
+    assert sorted(e3) == sorted([f"{f}-E3-{m}-s0" for f in ("qwen3", "glm4") for m in ("fixed", "symi", "ultraep")]
+                                + ["qwen3-C20-lrm-s0", "glm4-C20-lrm-s0"])
     for r in pl["runs"]:
         cmd = torchrun_command(r, pl["out"] / r.name, 8)
         assert cmd[:6] == ["torchrun", "--standalone", "--nproc-per-node", "8", "-m", "lrmoe.cli"]
@@ -246,8 +249,12 @@ def test_paper_commands_rebuild_each_run_config():
         args = ap.parse_args(cmd[6:])
         assert args.out == str(pl["out"] / r.name)
         cfg = config_from_args(args)
-        assert cfg.to_dict() == r.train_config().to_dict(), r.name
-        assert (cfg.ep, cfg.placement, cfg.micro_batch // cfg.ep) == (8, "lrmoe", 4)  # 4 rows per GPU
+        assert cfg.to_dict() == r.train_config(pl["out"] / r.name).to_dict(), r.name
+        # every E3 run records its routing in its own folder, the file T3 replays; no other run does
+        assert cfg.record_trace == (str(pl["out"] / r.name / "routing_trace.npz") if r.name in e3 else None), r.name
+        placement = r.name.split("-")[2] if "-E3-" in r.name else "lrmoe"
+        assert (cfg.ep, cfg.placement, cfg.micro_batch // cfg.ep) == (8, placement, 4)  # 4 rows per GPU
+        assert cfg.drop_ratio == (0.0 if placement in ("fixed", "symi", "ultraep") else cfg.drop_ratio)
 
 
 def test_reproduce_runs_a_torchrun_preset(tmp_path, monkeypatch, capsys):
@@ -265,17 +272,26 @@ def test_reproduce_runs_a_torchrun_preset(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     base = dict(tokenizer="bpe:300", seq_len=64, micro_batch=4, steps=2, warmup_steps=1, heldout_fraction=0.1,
                 eval_batches=1, threads=1, device="cpu", ep=2, placement="lrmoe")
+    # with E3 (recording traces), whose LRMoE run is this E1 run: only that one is run here (the
+    # other methods' launches are the same command with another --placement)
     preset = Preset("ep-tiny", "2-process EP check", {"qwen3": "qwen3-moe-tiny"}, base, "alpaca/alpaca_tiny.json",
-                    families=("qwen3",), e1_drops=(0.2,), e2_seeds=(), launcher="torchrun", nproc=2)
+                    families=("qwen3",), e1_drops=(0.2,), e2_seeds=(), launcher="torchrun", nproc=2,
+                    e3=dict(seeds=(0,), record_trace=True))
     out = tmp_path / "out"
-    assert reproduce(preset, out, figures=False, progress=False) == 0
+    assert reproduce(preset, out, only="C20", figures=False, progress=False) == 0
     printed = capsys.readouterr().out.strip().splitlines()
     assert len(printed) == 1 and printed[0].startswith("torchrun --standalone --nproc-per-node 2 -m lrmoe.cli train")
     assert "--ep 2 --placement lrmoe" in printed[0]
-    s = json.loads((out / "qwen3-C20-lrm-s0" / "summary.json").read_text())
+    run = out / "qwen3-C20-lrm-s0"
+    assert printed[0].endswith(f"--record-trace {run / 'routing_trace.npz'}")
+    s = json.loads((run / "summary.json").read_text())
     assert s["status"] == "done" and s["distributed"]["ep"] == 2
+    from lrmoe.sim.trace import load_trace
+
+    tr = load_trace(run / "routing_trace.npz")  # 2 steps, 2 MoE layers, 2 ranks, 8 experts
+    assert tr.counts.shape == (2, 2, 2, 8) and tr.meta["placement"] == "lrmoe" and "virtual" not in tr.meta
     assert json.loads((out / "reproduce.json").read_text())["failed"] == []
-    assert reproduce(preset, out, figures=False, progress=False) == 0  # nothing left to run
+    assert reproduce(preset, out, only="C20", figures=False, progress=False) == 0  # nothing left to run
     assert capsys.readouterr().out == ""
 
 
