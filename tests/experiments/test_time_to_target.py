@@ -51,17 +51,23 @@ def test_smoothing_targets_and_reach_by_hand():
     assert ttt.first_reach(curve, 3.0) == 7 and ttt.first_reach(curve, 0.5) is None
 
 
-def _run_folder(root, placement, losses, moe_s, trace_seed, seed=0):
+def _run_folder(root, placement, losses, moe_s, trace_seed, seed=0, torchrun=False):
     d = root / f"qwen3-E3-{placement}-s{seed}"
     d.mkdir()
     cfg = {"model": "qwen3-moe-small", "steps": len(losses), "placement": placement, "virtual_ep": 8, "seed": seed,
            "drop_ratio": 0.2 if placement == "lrmoe" else 0.0, "grad_accum": 1,
            "model_overrides": {"num_local_experts": 128, "num_experts_per_tok": 8}}
+    env = {"cpu_model": "test CPU"}
+    extra = {}
+    if torchrun:  # a paper-preset run: EP8 under torchrun on GPUs
+        cfg.update(virtual_ep=1, ep=8, device="cuda")
+        env = {"device": "cuda", "gpu": "NVIDIA H100 80GB HBM3", "cpu_model": "host CPU"}
+        extra = {"distributed": {"world_size": 8, "ep": 8}}
     (d / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "loss": x, "moe_fwd_s": moe_s / 2,
                                                          "moe_bwd_s": moe_s / 2}) + "\n"
                                              for i, x in enumerate(losses)))
     write_json(d / "summary.json", {"status": "done", "steps_done": len(losses), "config": cfg,
-                                    "model": {"family": "qwen3_moe"}, "environment": {"cpu_model": "test CPU"}})
+                                    "model": {"family": "qwen3_moe"}, "environment": env, **extra})
     save_trace(d / TRACE, _trace(trace_seed, steps=len(losses)))
 
 
@@ -153,6 +159,24 @@ def test_seeds_are_paired_and_summarised_with_t_intervals(tmp_path):
     assert "(2/3 seeds)" in md and "(SYMI not reached in 1/2; 2/3 seeds)" in md and "seeds 0, 1, 2" in md
     figs = ttt.make_f4(Results.load(tmp_path), paper_numbers(), tmp_path)
     assert all(f.stat().st_size > 0 for f in figs)
+
+
+def test_torchrun_runs_are_labelled_measured_on_their_gpus(tmp_path):
+    """The paper preset's E3 runs (EP8 under torchrun): column (a) is their logged time, labelled
+    measured on 8 GPUs with the GPU they name, and their traces are replayed beside it."""
+    base = [10.0 - 0.75 * i for i in range(STEPS)]
+    for pl, lag, s in (("fixed", 0, 1.0), ("symi", 2, 0.8), ("ultraep", 0, 0.9), ("lrmoe", 0, 0.6)):
+        _run_folder(tmp_path, pl, [base[0]] * lag + base[:len(base) - lag], s, 5, torchrun=True)
+    ttt.make_t3(Results.load(tmp_path), paper_numbers(), tmp_path)
+    fam = json.loads((tmp_path / "tables" / "T3_time_to_target.json").read_text())["families"][0]
+    assert fam["torchrun"] and fam["ep"] == 8 and fam["measured_on"] == ["8x NVIDIA H100 80GB HBM3, EP8"]
+    m = fam["seeds"][0]["methods"]
+    assert m["lrmoe"]["reach"][0]["measured_s"] == pytest.approx(0.6 * m["lrmoe"]["reach"][0]["step"])
+    assert m["lrmoe"]["reach"][0]["simulated_s"] > 0
+    md = (tmp_path / "tables" / "T3_time_to_target.md").read_text()
+    assert "*(a) measured, 8 × GPU*" in md and "8x NVIDIA H100 80GB HBM3, EP8" in md and "EP8 under torchrun" in md
+    assert "virtual" not in md.split("| Model family")[0].split("*(b)")[0]
+    assert ttt.make_f4(Results.load(tmp_path), paper_numbers(), tmp_path)
 
 
 def test_no_e3_runs_no_table(tmp_path):
