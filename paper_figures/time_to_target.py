@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lrmoe.ablate.stats import estimate
+from lrmoe.stats import estimate
 from lrmoe.environment import hardware_label
 from lrmoe.files import read_json, write_json
 from lrmoe.run_folder import TRACE
@@ -265,7 +265,7 @@ def summarise(seeds: list[dict]) -> dict[str, list[dict]]:
     ``n`` seeds with the method, ``reached`` of them; the steps and each kind's time to the target
     over the seeds that reached it, and the reduction against SYMI over the seeds where both have a
     time (or SYMI a whole run: a lower bound, counted in ``<kind>_vs_symi_bounds``), each an
-    :func:`lrmoe.ablate.stats.estimate` (mean, 95 % t interval from 2 seeds, n)."""
+    :func:`lrmoe.stats.estimate` (mean, 95 % t interval from 2 seeds, n)."""
     order = []
     for sd in seeds:
         order += [pl for pl in sd["methods"] if pl not in order]
@@ -392,7 +392,7 @@ def make_t3(res: Results, paper: dict, out: Path, say=None) -> list[Path] | None
           f"*Over seeds*: steps and times are means over the seeds that reached the target (\"k/n seeds\": "
           f"k of the n seeds did); *vs SYMI* is "
           f"100 × (1 − time / SYMI's time) per seed against the same seed's SYMI run, then its mean and 95 % t "
-          f"interval over the seeds (lrmoe.ablate.stats); where SYMI never reaches a target, that seed's value is a "
+          f"interval over the seeds (lrmoe.stats); where SYMI never reaches a target, that seed's value is a "
           f"lower bound from SYMI's whole run, and so is the mean (\"> x\").  ",
           f"*Paper*: {paper_line}.", "", md_table(head, rows), "",
           "What this can and cannot claim: the steps come from real training with each method's semantics (forward "

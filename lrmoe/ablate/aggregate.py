@@ -1,5 +1,5 @@
 """A grid's results from its run files only: paired differences against the baseline of the same
-seed and family, means with 95 % intervals (:mod:`~lrmoe.ablate.stats`), resolved orderings,
+seed and family, means with 95 % intervals (:mod:`~lrmoe.stats`), resolved orderings,
 and the files a user reads and plots.
 
 Written under the results folder:
@@ -25,7 +25,7 @@ from paper_figures.tables import SCORER_NAMES, md_table, write_table
 
 from .grid import Grid
 from .metrics import get_metric
-from .stats import BOOTSTRAP_MIN, CONFIDENCE, estimate
+from lrmoe.stats import BOOTSTRAP_MIN, CONFIDENCE, estimate
 
 NOT_RUN = "not run"
 

@@ -8,7 +8,7 @@ import pytest
 
 from lrmoe.ablate.aggregate import analyse, write_all
 from lrmoe.ablate.grid import parse_grid
-from lrmoe.ablate.stats import estimate
+from lrmoe.stats import estimate
 
 T_975_2 = 4.302652729911275  # Student t, 0.975 quantile, 2 degrees of freedom (tables)
 STEPS = 10

@@ -13,7 +13,7 @@ PACKAGES = ("lrmoe", "baselines", "paper_figures", "ablations")
 
 # bottom to top; a module belongs to the layer of its longest matching prefix.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("lrmoe.registry", "lrmoe.files", "lrmoe.environment", "lrmoe.run_folder")),
+    ("base", ("lrmoe.registry", "lrmoe.files", "lrmoe.environment", "lrmoe.run_folder", "lrmoe.stats")),
     ("planning", ("lrmoe.planning", "baselines")),
     ("sim", ("lrmoe.sim",)),
     ("kernels", ("lrmoe.kernels",)),
@@ -31,8 +31,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 ]
 # Modules that must import without torch (the planners and everything the simulator needs).
 # ``lrmoe`` itself (the lazy facade) and every module under the other prefixes.
-TORCH_FREE = ("lrmoe.registry", "lrmoe.files", "lrmoe.environment", "lrmoe.run_folder", "lrmoe.planning", "baselines",
-              "lrmoe.sim")
+TORCH_FREE = ("lrmoe.registry", "lrmoe.files", "lrmoe.environment", "lrmoe.run_folder", "lrmoe.stats",
+              "lrmoe.planning", "baselines", "lrmoe.sim")
 
 
 def torch_free_modules() -> list[str]:
