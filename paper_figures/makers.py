@@ -14,6 +14,7 @@ from . import figures, tables, time_to_target
 
 KINDS = ("table", "figure")
 SIM_DIR = "sim"  # <results>/sim/<scenario>/: `lrmoe simulate --scenario all --out <results>/sim`
+PROBE_DIR = "probe"  # <results>/probe/: `lrmoe ablate probe --out <results>/probe` (lrmoe.reproduce.probe)
 _SIM_NEEDS = ("the cluster simulator's scenarios in <results>/sim/ (`lrmoe simulate --scenario all --out "
               "<results>/sim`; `lrmoe reproduce` runs it)")
 
@@ -30,6 +31,14 @@ def simulated(key: str) -> Callable:
 
     fn.__name__ = f"simulated_{key}"
     return fn
+
+
+def probed(res, paper, out):
+    """Figure A1 and the probe's tables as `lrmoe ablate probe` wrote them into ``<results>/probe/``
+    (:mod:`paper_figures.probe`); None when the probe has not been run into the folder."""
+    d = res.dir / PROBE_DIR
+    files = [f for f in (d / "probe.md", d / "figures" / "figure_a1.png") if f.is_file()]
+    return files or None
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,10 @@ BUILTIN = (
           needs="E3's runs (every method with its EP semantics; `lrmoe reproduce --preset cpu` trains them)"),
     Maker("F5", "figure", "LRMoE against each baseline as skew, budget, EP size and drop ratio vary, simulated",
           simulated("F5"), needs=_SIM_NEEDS),
+    Maker("A1", "figure", "Gradient fidelity: relative error of the expert weight gradients against the full "
+                          "backward, per scorer, φ and selection rule (the probe; not in the paper)", probed,
+          needs="the gradient-fidelity probe in <results>/probe/ (`lrmoe ablate probe --run <results>/qwen3-C00-s0 "
+                "--out <results>/probe`; `lrmoe reproduce --preset cpu` runs it)"),
 )
 MAKERS: dict[str, Maker] = {m.key: m for m in BUILTIN}
 

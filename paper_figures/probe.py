@@ -64,7 +64,7 @@ def tables(records: list[dict], meta: dict) -> tuple[str, str]:
     errors, the dropped score share, and for the sampled rule its bias and variance."""
     checkpoints = [c for c in meta.get("checkpoints", []) if any(r["checkpoint"] == c for r in records)]
     md = [f"# Gradient-fidelity probe (`{meta.get('command', 'lrmoe ablate probe')}`)", "",
-          f"Measured on {meta.get('machine', '?')}, float64: model {meta.get('model')} "
+          f"Measured on {meta.get('machine', '?')}, {meta.get('dtype', 'float64')}: model {meta.get('model')} "
           f"({meta.get('steps')} training steps; run {meta.get('run')}), {meta.get('batches')} fixed micro-batches "
           f"of {meta.get('rows')} rows x {meta.get('seq_len')} tokens, {meta.get('draws')} draws per sampled "
           f"selection, seed {meta.get('seed')}; {meta.get('seconds')} s. Each cell is the mean over the MoE "

@@ -61,13 +61,24 @@ def _report(res: Results, out: Path, paper: dict, status: dict) -> str:
             for f in files:
                 rel = f.relative_to(out) if f.is_relative_to(out) else f
                 if f.suffix == ".md":
-                    lines += [f.read_text().strip(), ""]
+                    lines += [_nested(f.read_text().strip()), ""]
                 elif f.suffix == ".png":
                     lines += [f"![{key}]({rel.as_posix()})", ""]
         else:
             lines += [f"Not yet produced: needs {m.needs}.", "", f"Paper's numbers for this {m.kind}:", "",
                       *_paper_table(key, paper), ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _nested(md: str) -> str:
+    """A maker's Markdown under its ``## KEY`` section: its own headings two levels deeper (``#`` ->
+    ``###``), so that they do not open sections of the report; fenced code is left alone."""
+    out, fenced = [], False
+    for line in md.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        out.append("##" + line if not fenced and line.startswith("#") else line)
+    return "\n".join(out)
 
 
 def _paper_table(key: str, paper: dict) -> list[str]:

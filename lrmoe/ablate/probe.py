@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -41,6 +42,7 @@ SCORERS = ("lrm", "grad_norm", "abs_grad", "random")
 DROPS = (0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
 CHECKPOINTS = ("trained", "init")
 PARAMS = ("gate_up", "down")
+DTYPES = ("float32", "float64")
 # the briefly trained default model: the cpu preset's Qwen3 family and data, fewer steps
 DEFAULT_TRAIN = dict(model="qwen3-moe-small", steps=60, warmup_steps=6, eval_interval=0, eval_batches=1,
                      checkpoint_interval=0)
@@ -84,13 +86,55 @@ def train_default(out: Path, data: str | None, steps: int | None, model: str | N
         fields["model"] = model
     cfg = TrainConfig(**{k: v for k, v in fields.items() if k in TrainConfig.__dataclass_fields__})
     run = out / "model"
-    _log(f"training the default model ({cfg.model}, {cfg.steps} steps) in {run}", progress)
-    train(cfg, run, progress=False)
+    if _finished_without_checkpoint(run):
+        restore(cfg, run, progress)
+    else:
+        _log(f"training the default model ({cfg.model}, {cfg.steps} steps) in {run}", progress)
+        train(cfg, run, progress=False)
     return run
 
 
-def load_run(run: Path):
-    """(trained model, model at initialisation, config, train set) of an `lrmoe train` run folder."""
+def _finished_without_checkpoint(run: Path) -> bool:
+    from lrmoe.run_folder import CHECKPOINT, read_summary
+
+    if not run.is_dir() or (run / CHECKPOINT).is_file():
+        return False
+    summary = read_summary(run)  # a summary that cannot be read is refused (CorruptFileError) by the caller
+    return summary is not None and summary.get("status") == "done"
+
+
+def restore(cfg, run: Path, progress: bool) -> None:
+    """The finished run ``run`` (of ``cfg``) without its checkpoint, as the committed references keep
+    them: trained again for one (:func:`lrmoe.train.retrain.restore_checkpoint`). Said on stderr, and
+    a retrained run whose final metrics differ from the folder's is said even without progress."""
+    from lrmoe.train.retrain import restore_checkpoint
+
+    _log(f"{run} is a finished run without its checkpoint (committed results keep none): training it again "
+         f"({cfg.model}, {cfg.steps} steps) to get one", progress)
+    r = restore_checkpoint(cfg, run)
+    if not r["same"]:
+        print(f"probe: the retrained {run} differs from the folder's run ({'; '.join(r['differences'][:3])}); its "
+              f"summary.json and metrics.jsonl now describe the checkpoint (the previous ones: *.previous)",
+              file=sys.stderr)
+
+
+def run_config(run: Path):
+    """The TrainConfig of the finished run folder ``run`` from its summary.json (for :func:`restore`)."""
+    from lrmoe.run_folder import read_summary
+    from lrmoe.train import TrainConfig
+
+    c = read_summary(run)["config"]
+    cfg = TrainConfig(**{k: v for k, v in c.items() if k in TrainConfig.__dataclass_fields__})
+    if cfg.data and Path(cfg.data).is_absolute() and not Path(cfg.data).exists():  # a local file of another machine
+        raise ProbeError(f"--run {run}: a finished run without its checkpoint; training it again needs its data "
+                         f"{cfg.data}, not found here (train the run again with `lrmoe train` or `lrmoe reproduce` "
+                         f"on this machine, then probe that folder)")
+    return cfg
+
+
+def load_run(run: Path, dtype: torch.dtype = torch.float32):
+    """(trained model, model at initialisation, config, train set) of an `lrmoe train` run folder,
+    in ``dtype``."""
     from lrmoe import hf
     from lrmoe.train import TrainConfig, load_data
     from lrmoe.train import checkpoint
@@ -107,10 +151,12 @@ def load_run(run: Path):
         raise ProbeError(f"--run {run}: the probe rebuilds single-process preset models (this run has "
                          f"{'init_from' if cfg.init_from else 'ep > 1'})")
     train_set, _, stats = load_data(cfg)
+    # built in float32 as training builds it, then cast: the same initialisation in either dtype (a
+    # float64 build would draw other initial weights from the same seed)
     make = lambda: hf.build_model(cfg.model, seed=cfg.seed, vocab_size=int(stats["vocab_size"]),  # noqa: E731
-                                  dtype=torch.float64, **cfg.model_overrides)
+                                  dtype=torch.float32, **cfg.model_overrides).to(dtype)
     trained, init = make(), make()
-    trained.load_state_dict({k: v.to(torch.float64) for k, v in ck["model"].items()})
+    trained.load_state_dict({k: v.to(dtype) for k, v in ck["model"].items()})
     return trained.eval(), init.eval(), cfg, train_set
 
 
@@ -248,14 +294,20 @@ def probe_model(model, batches, drops, scorers, draws: int, seed: int, label: st
     params = _expert_params(model)
     R = [paper_scores(gu, dn, captured[i]) for i, (gu, dn) in enumerate(params)]
     todo = [(v, rho) for v in variants(scorers) for rho in drops]
-    records = []
+    records, at_zero = [], None
     for j, ((scorer, phi, sel), rho) in enumerate(todo):
         n = draws if (sel == "sample" and rho > 0) else 1
-        policy = BackwardPolicy(rho, scorer=scorer, phi=phi, selection=sel, seed=seed)
-        e2e = end_to_end(model, batches, policy, n)
+        if rho == 0 and at_zero is not None:  # every policy keeps every pair at drop 0: computed once
+            e2e, locs = at_zero
+        else:
+            policy = BackwardPolicy(rho, scorer=scorer, phi=phi, selection=sel, seed=seed)
+            e2e = end_to_end(model, batches, policy, n)
+            locs = [local(gu, dn, captured[i], BackwardPolicy(rho, scorer=scorer, phi=phi, selection=sel, seed=seed),
+                          n, R[i]) for i, (gu, dn) in enumerate(params)]
+            if rho == 0:
+                at_zero = e2e, locs
         for i, (gu, dn) in enumerate(params):
-            loc, shares = local(gu, dn, captured[i], BackwardPolicy(rho, scorer=scorer, phi=phi, selection=sel,
-                                                                    seed=seed), n, R[i])
+            loc, shares = locs[i]
             for k, name in enumerate(PARAMS):
                 s_e = _stats([d[2 * i + k] for d in e2e], full[2 * i + k])
                 s_l = _stats([d[k] for d in loc], full[2 * i + k])
@@ -271,6 +323,16 @@ def probe_model(model, batches, drops, scorers, draws: int, seed: int, label: st
         _log(f"{label}: {scorer}/phi={phi}/{sel} drop {rho:g} ({j + 1}/{len(todo)}, "
              f"{time.perf_counter() - t0:.0f} s)", progress)
     return records
+
+
+def probe_checkpoint(w: dict) -> list[dict]:
+    """Every record of one checkpoint (``w["label"]``: trained or init) of the run ``w["run"]``, on the
+    run's fixed batches; a process of its own may run it (everything it needs is in ``w``)."""
+    torch.set_num_threads(w["threads"])
+    trained, init, _, train_set = load_run(Path(w["run"]), getattr(torch, w["dtype"]))
+    batches = fixed_batches(train_set, w["rows"], w["batches"], w["seed"])
+    model = trained if w["label"] == "trained" else init
+    return probe_model(model, batches, w["drops"], w["scorers"], w["draws"], w["seed"], w["label"], w["progress"])
 
 
 # ------------------------------------------------------------------------------ command line
@@ -327,9 +389,24 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", type=_positive, default=4, help="rows per micro-batch (default: 4)")
     p.add_argument("--draws", type=_positive, default=8, help="draws of each sampled selection (default: 8)")
     p.add_argument("--seed", type=int, default=0, help="seed of the batches and of the policies' generators")
-    p.add_argument("--threads", type=_positive, default=None, help="torch CPU threads")
+    p.add_argument("--jobs", type=_positive, default=None,
+                   help="checkpoints probed in parallel, one process each (default: one per checkpoint, at most the "
+                        "CPU count)")
+    p.add_argument("--threads", type=_positive, default=None,
+                   help="torch CPU threads per process (default: the CPU count / jobs)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="precision of the model and its gradients (default: %(default)s; float64 is about twice as "
+                        "slow on a CPU and agrees with float32 to about 1e-5 relative, docs/ablations.md)")
     p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     return p
+
+
+def _run_final(run: Path) -> dict | None:
+    """The probed run's final metrics (its summary.json), by which `lrmoe reproduce` knows the probe
+    is of this run (:func:`lrmoe.reproduce.probe.up_to_date`)."""
+    from lrmoe.run_folder import read_summary
+
+    return (read_summary(run) or {}).get("final")
 
 
 def run_probe(a) -> dict:
@@ -343,24 +420,35 @@ def run_probe(a) -> dict:
         raise ProbeError("--data, --model and --steps choose the default model; with --run the run's model is probed")
     if a.run is not None and not Path(a.run).is_dir():
         raise ProbeError(f"--run {a.run}: no such folder; give an `lrmoe train` run folder")
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    jobs = a.jobs or min(len(a.checkpoints), os.cpu_count() or 1)
+    threads = a.threads or max(1, (os.cpu_count() or 1) // jobs)
+    torch.set_num_threads(threads)
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
+    if a.run is not None and _finished_without_checkpoint(Path(a.run)):
+        restore(run_config(Path(a.run)), Path(a.run), progress)
     run = Path(a.run) if a.run is not None else train_default(out, a.data, a.steps, a.model, progress)
-    trained, init, cfg, train_set = load_run(run)
-    batches = fixed_batches(train_set, a.rows, a.batches, a.seed)
-    records = []
-    for label in a.checkpoints:
-        records += probe_model(trained if label == "trained" else init, batches, a.drops, a.scorers, a.draws,
-                               a.seed, label, progress)
+    cfg = load_run(run)[2]  # refused here, in this process, if the run folder is not one the probe reads
+    work = [dict(run=str(run), dtype=a.dtype, label=label, rows=a.rows, batches=a.batches, seed=a.seed, drops=a.drops,
+                 scorers=a.scorers, draws=a.draws, threads=threads, progress=progress) for label in a.checkpoints]
+    if jobs > 1 and len(work) > 1:  # one process per checkpoint (each with `threads` torch threads)
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(max_workers=min(jobs, len(work)), mp_context=mp.get_context("spawn")) as ex:
+            parts = list(ex.map(probe_checkpoint, work))
+    else:
+        parts = [probe_checkpoint(w) for w in work]
+    records = [r for part in parts for r in part]
     meta = dict(run=str(run), model=cfg.model, model_overrides=cfg.model_overrides, steps=cfg.steps,
                 checkpoints=list(a.checkpoints), batches=a.batches, rows=a.rows, seq_len=cfg.seq_len,
                 tokens=a.batches * a.rows * cfg.seq_len, draws=a.draws, seed=a.seed, drops=list(a.drops),
-                scorers=list(a.scorers), dtype="float64", seconds=round(time.perf_counter() - t0, 1),
-                machine=f"{cpu_model() or platform.machine()}, {torch.get_num_threads()} torch threads, load average "
+                scorers=list(a.scorers), dtype=a.dtype, seconds=round(time.perf_counter() - t0, 1),
+                jobs=min(jobs, len(work)),
+                machine=f"{cpu_model() or platform.machine()}, {min(jobs, len(work))} process(es) x {threads} torch "
+                        f"thread(s), load average "
                         f"{load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end",
-                environment=environment(),
-                command="lrmoe ablate probe " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["ablate", "probe"] else []))
+                run_final=_run_final(run), environment=environment(),
+                argv=list(a.argv), command=shlex.join(["lrmoe", "ablate", "probe", *a.argv]))
     files = write_outputs(out, records, meta)
     _log(f"wrote {', '.join(str(f) for f in files)} ({meta['seconds']} s)", progress)
     return {"records": records, "meta": meta}
@@ -368,7 +456,9 @@ def run_probe(a) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     try:
+        argv = list(sys.argv[1:] if argv is None else argv)
         a = parser().parse_args(argv)
+        a.argv = argv
         run_probe(a)
     except ProbeError as e:
         print(f"lrmoe ablate probe: {e}", file=sys.stderr)

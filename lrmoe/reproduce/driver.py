@@ -279,6 +279,8 @@ def _finish(p, out, runs, pending, failures, wall, jobs, only, figures, at_start
     sim_failed = False
     if figures and simulate:
         sim_failed = _simulate(out)
+    if figures and getattr(p, "probe", None):
+        sim_failed = _probe(out, p.probe) or sim_failed
     if figures:
         from paper_figures import make_all
 
@@ -323,6 +325,34 @@ def _simulate(out: Path) -> bool:
         return True
     print(f"simulated in {secs:.0f}s: {out}/{SUBDIR}/<scenario>/ (simulation.json, tables, figures; "
           f"log: {out}/{SUBDIR}/simulate.log)", file=sys.stderr)
+    return False
+
+
+def _probe(out: Path, spec: dict) -> bool:
+    """The gradient-fidelity probe into ``<out>/probe/`` (:mod:`~lrmoe.reproduce.probe`); True when it
+    failed (said on stderr; the report then lists A1 as not produced)."""
+    from lrmoe.run_folder import read_summary
+
+    from .probe import SUBDIR, probe_argv, probe_into, up_to_date
+
+    try:
+        finished = (read_summary(out / spec["run"]) or {}).get("status") == "done"
+    except CorruptFileError as e:
+        print(f"no gradient-fidelity probe: {e}", file=sys.stderr)
+        return True
+    if not finished:
+        print(f"no gradient-fidelity probe: {out / spec['run']} has not finished (run it first)", file=sys.stderr)
+        return False
+    if up_to_date(out, spec):
+        print(f"gradient-fidelity probe: {out}/{SUBDIR}/probe.json is up to date", file=sys.stderr)
+        return False
+    print(f"gradient-fidelity probe of {spec['run']} into {out}/{SUBDIR}/ (`lrmoe ablate probe "
+          f"{shlex.join(probe_argv(out, spec))}`; {spec.get('cost', 'a few minutes')}) ...", file=sys.stderr, flush=True)
+    rc, secs = probe_into(out, spec)
+    if rc != 0:
+        print(f"lrmoe reproduce: the gradient-fidelity probe failed (status {rc})", file=sys.stderr)
+        return True
+    print(f"probed in {secs:.0f}s: {out}/{SUBDIR}/ (probe.json, probe.md, figures/figure_a1.png)", file=sys.stderr)
     return False
 
 

@@ -35,6 +35,9 @@ class Preset:
     nproc: int = 1  # torchrun: processes per run (one node; one GPU each)
     hardware: str = ""
     e3: dict = field(default_factory=dict)  # E3 (time to target) settings; {}: no E3 runs (experiments.e3_runs)
+    # the gradient-fidelity probe after the runs (lrmoe.reproduce.probe): {"run": a run's name, "args": extra
+    # `lrmoe ablate probe` arguments, "cost": what it takes}; {}: none
+    probe: dict = field(default_factory=dict)
 
     # what the driver calls it (class attributes, not fields: the manifest holds the fields only)
     prog = "lrmoe reproduce"
@@ -82,6 +85,8 @@ PRESETS: dict[str, Preset] = {
         "smoke", "CI end-to-end check: tiny Qwen3-MoE / GLM-4.5-style models, 100 Alpaca records, 30 steps",
         {"qwen3": "qwen3-moe-tiny", "glm4": "glm4-moe-tiny"}, _SMOKE_BASE, "alpaca/alpaca_tiny.json",
         e2_seeds=(0, 1), jobs=2, hardware="2 CPU cores",
+        probe=dict(run="qwen3-C00-s0", args=["--drops", "0,0.5", "--scorers", "lrm,random", "--draws", "2",
+                                             "--batches", "1", "--rows", "2"], cost="seconds"),
         cost="measured: about 20-40 s on 2 CPU cores (24 runs)"),
     "cpu": Preset(
         "cpu", "CPU-scale reproduction: qwen3-moe-small / glm4-moe-small (16 experts, top-4) near memorisation "
@@ -98,6 +103,8 @@ PRESETS: dict[str, Preset] = {
                                            "moe_intermediate_size": 32},
                                  "glm4": {"n_routed_experts": 128, "num_experts_per_tok": 8,
                                           "moe_intermediate_size": 32}}),
+        # the probe's defaults on the preset's own Qwen3 C0 model (docs/ablations.md: cost)
+        probe=dict(run="qwen3-C00-s0", cost="about 4 min on 2 cores"),
         cost="measured: see docs/reproduce.md (target <= 30 minutes on 2 CPU cores, 58 runs)"),
     "gpu1": Preset(
         "gpu1", "one Hopper GPU: the paper's Qwen3-30B-A3B and GLM-4.5-Air layer dimensions (128 experts, top-8) "

@@ -10,6 +10,7 @@
 ``runner``         one process: :class:`LocalRunner`, :func:`load_data`
 ``ep``             torchrun: :class:`~lrmoe.train.ep.DistributedRunner`
 ``loop``           :func:`train` and its :class:`~lrmoe.train.loop.Trainer`
+``retrain``        a finished run folder kept without its checkpoint gets it back (trained again)
 ``cli``            the `lrmoe train` command
 =================  ==========================================================================
 """

@@ -154,6 +154,31 @@ def test_command_end_to_end(tmp_path):
     for f in ("probe.md", "probe.tex", "figures/figure_a1.png", "figures/figure_a1.pdf"):
         assert (out / f).stat().st_size > 0
     assert "lrm[h]/top" in (out / "probe.md").read_text()
+    assert d["meta"]["dtype"] == "float32" and d["meta"]["jobs"] == 1
+    # both checkpoints in two processes give the records of one process, in the same order; float64 agrees
+    args = ["--run", str(run), "--drops", "0,0.5", "--scorers", "lrm,random", "--draws", "2", "--batches", "1",
+            "--rows", "1", "--no-progress"]
+    recs = {}
+    for jobs, dtype in ((1, "float32"), (2, "float32"), (1, "float64")):
+        o = tmp_path / f"p{jobs}{dtype}"
+        assert probe.main(["--out", str(o), "--jobs", str(jobs), "--threads", "1", "--dtype", dtype, *args]) == 0
+        d = json.loads((o / "probe.json").read_text())
+        assert d["meta"]["jobs"] == jobs and d["meta"]["dtype"] == dtype
+        recs[jobs, dtype] = d["records"]
+    assert recs[1, "float32"] == recs[2, "float32"] and {r["checkpoint"] for r in recs[2, "float32"]} == {"trained", "init"}
+    for a, b in zip(recs[1, "float32"], recs[1, "float64"]):
+        assert {k: v for k, v in a.items() if isinstance(v, str)} == {k: v for k, v in b.items() if isinstance(v, str)}
+        for k in ("rel_err", "cosine", "rel_err_local", "dropped_score_share"):
+            assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-5), k
+    # the run kept as a committed reference keeps it (no checkpoint): trained again, the same records
+    assert probe.load_run(run)[2] is not None
+    (run / "checkpoint.pt").unlink()
+    o = tmp_path / "restored"
+    assert probe.main(["--out", str(o), "--jobs", "1", "--threads", "1", *args]) == 0
+    d = json.loads((o / "probe.json").read_text())
+    assert d["records"] == recs[1, "float32"] and (run / "checkpoint.pt").is_file()
+    assert d["meta"]["run_final"] == json.loads((run / "summary.json").read_text())["final"]
+    assert not list(run.glob("*.previous"))  # the same run came out: the folder's files stay
 
 
 @pytest.mark.parametrize("argv,msg", [
@@ -173,5 +198,16 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, msg):
 
 
 def test_run_without_checkpoint_is_refused(tmp_path, capsys):
+    """A folder without a finished run (so none to train again) and without a checkpoint."""
     assert probe.main(["--out", str(tmp_path / "o"), "--run", str(tmp_path)]) == 2
     assert "no checkpoint.pt" in capsys.readouterr().err
+
+
+def test_a_finished_run_whose_data_is_not_here_is_refused(tmp_path, capsys):
+    from lrmoe.train import TrainConfig
+
+    cfg = TrainConfig(model="qwen3-moe-tiny", data="/nonexistent/alpaca.json", tokenizer="bpe:300", seq_len=32)
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "done", "config": cfg.to_dict(), "final": {}}))
+    assert probe.main(["--out", str(tmp_path / "o"), "--run", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "without its checkpoint" in err and "/nonexistent/alpaca.json, not found here" in err

@@ -121,7 +121,7 @@ def test_figures_unknown_key_lists_the_accepted_keys(only, tmp_path, capsys):
     _run(tmp_path / "one", "one", steps=2)
     assert main(["figures", "--results", str(tmp_path), "--only", only]) == 2
     line = _only_line(capsys.readouterr().err, "figures")
-    assert "in --only; accepted: F1, F2, F3, F4, F5, T1, T2, T3, T4, T5" in line
+    assert "in --only; accepted: A1, F1, F2, F3, F4, F5, T1, T2, T3, T4, T5" in line
     assert not (tmp_path / "report.md").exists()
 
 

@@ -156,7 +156,7 @@ def test_make_all_writes_tables_figures_and_the_report(made):
     report = (d / "report.md").read_text()
     assert report.startswith("# Reproduced tables and figures: preset `fake`")
     assert "![F1](figures/F1_expert_loads.png)" in report and "**T1. Convergence" in report
-    for key in ("T3", "T4", "T5", "F3", "F4"):
+    for key in ("T3", "T4", "T5", "F3", "F4", "A1"):
         assert f"## {key}: {MAKERS[key].title}\n\nNot yet produced: needs {MAKERS[key].needs}." in report
     assert "left out" not in report
     # the paper's numbers of the tables not produced yet: a table, not raw JSON
@@ -186,7 +186,7 @@ def test_a_corrupt_summary_is_named_in_the_report_and_on_stderr(fake, capsys):
 
 
 def test_makers_are_listed_explicitly_and_a_duplicate_key_raises(fake, tmp_path):
-    assert set(MAKERS) == {"T1", "T2", "T3", "T4", "T5", "F1", "F2", "F3", "F4", "F5"}
+    assert set(MAKERS) == {"T1", "T2", "T3", "T4", "T5", "F1", "F2", "F3", "F4", "F5", "A1"}
     assert MAKERS["T1"].fn is make_t1 and MAKERS["T3"].fn is not None and MAKERS["T3"].needs  # T3: E3's runs
     with pytest.raises(ValueError, match="'T1' is already registered"):
         register("T1", "table", "another T1", fn=lambda res, paper, out: [])
@@ -198,15 +198,28 @@ def test_makers_are_listed_explicitly_and_a_duplicate_key_raises(fake, tmp_path)
         seen.append(sorted(res.runs))
         return []
 
+    def with_headings(res, paper, out):
+        f = out / "x2.md"
+        f.write_text("# Title\n\ntext\n\n## Part\n\n```\n# a comment in code\n```\n")
+        return [f]
+
     register("X1", "table", "an extra table", fn=extra)
+    register("X2", "table", "a maker whose Markdown has headings", fn=with_headings)
     try:
-        make_all(fake, tmp_path, only=["X1"])
-        assert seen == [sorted(RUNS)] and "## X1: an extra table" in (tmp_path / "report.md").read_text()
+        make_all(fake, tmp_path, only=["X1", "X2"])
+        report = (tmp_path / "report.md").read_text()
+        assert seen == [sorted(RUNS)] and "## X1: an extra table" in report
+        # its headings sit under its own section, not beside it; code is left as it is
+        x2 = report[report.index("## X2:"):]
+        assert "\n### Title\n" in x2 and "\n#### Part\n" in x2 and "\n# a comment in code\n" in x2
+        assert [ln for ln in report.splitlines() if ln.startswith("## ")][-2:] == [
+            "## X1: an extra table", "## X2: a maker whose Markdown has headings"]
         register("X1", "table", "replaced", fn=extra, override=True)
         assert MAKERS["X1"].title == "replaced"
     finally:
         unregister("X1")
-    assert "X1" not in MAKERS
+        unregister("X2")
+    assert "X1" not in MAKERS and "X2" not in MAKERS
 
 
 def test_figures_cli_rejects_an_unknown_key_and_a_missing_folder(fake, tmp_path, capsys):

@@ -75,16 +75,36 @@ def test_smoke_end_to_end(smoke):
     report = (smoke / "report.md").read_text()
     for key in ("T3", "T4", "T5", "F3", "F4"):
         assert re.search(rf"## {key}:.*\n\nNot yet produced", report), key
+    # the gradient-fidelity probe of the preset's Qwen3 C0 run, shown in the report as A1
+    probe = json.loads((smoke / "probe/probe.json").read_text())
+    assert probe["meta"]["run"] == str(smoke / "qwen3-C00-s0") and probe["meta"]["drops"] == [0.0, 0.5]
+    assert {r["checkpoint"] for r in probe["records"]} == {"trained", "init"}
+    a1 = report[report.index("## A1:"):].split("\n## ")[0]
+    assert "Not yet produced" not in a1 and "figure_a1.png" in a1
     assert (smoke / "figures/F1_expert_loads.png").read_bytes()[:4] == b"\x89PNG"
     assert (smoke / "figures/F2_loss_curves.pdf").read_bytes()[:4] == b"%PDF"
 
 
 def test_second_call_skips_finished_runs(smoke, capsys):
     before = {p: p.stat().st_mtime_ns for p in smoke.glob("*/metrics.jsonl")}
+    probed = (smoke / "probe/probe.json").stat().st_mtime_ns
     assert reproduce("smoke", smoke, figures=False, progress=False) == 0
     assert json.loads((smoke / "reproduce.json").read_text())["ran_now"] == 0
     assert {p: p.stat().st_mtime_ns for p in smoke.glob("*/metrics.jsonl")} == before
     assert "0 to run" in capsys.readouterr().err
+    # with the figures, the probe is not repeated either: its probe.json is of the run as it is (the
+    # same final metrics, the same arguments), with the checkpoint or without it (a committed reference)
+    ck = smoke / "qwen3-C00-s0" / "checkpoint.pt"
+    for kept in (True, False):
+        if not kept:
+            ck.rename(ck.with_suffix(".aside"))
+        try:
+            assert reproduce("smoke", smoke, progress=False, simulate=False, reference="none") == 0
+        finally:
+            if not kept:
+                ck.with_suffix(".aside").rename(ck)
+        assert "probe.json is up to date" in capsys.readouterr().err
+        assert (smoke / "probe/probe.json").stat().st_mtime_ns == probed
 
 
 def test_finished_runs_of_another_config_are_refused(smoke, tmp_path, capsys):
