@@ -22,7 +22,7 @@ full backward (drop ratio 0) gives G_full for every MoE layer's ``gate_up_proj``
 Writes ``DIR/probe.json`` (``records`` and ``meta``), ``DIR/probe.md`` / ``probe.tex`` (tables) and
 ``DIR/figures/figure_a1.png/.pdf`` (:mod:`paper_figures.probe`). With no ``--run``, a small model is
 first trained briefly on the sample data (``DIR/model``, an `lrmoe train` run folder; reused when
-already there). docs/probe.md reads the results."""
+already there). docs/ablations.md ("The gradient-fidelity probe") describes the choices and costs."""
 from __future__ import annotations
 
 import argparse
@@ -395,8 +395,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_positive, default=None,
                    help="torch CPU threads per process (default: the CPU count / jobs)")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
-                   help="precision of the model and its gradients (default: %(default)s; float64 is about twice as "
-                        "slow on a CPU and agrees with float32 to about 1e-5 relative, docs/ablations.md)")
+                   help="precision of the model and its gradients (default: %(default)s; float64 is slower on a CPU "
+                        "and agrees with float32 to within 3e-5 relative on top-quota records, docs/ablations.md)")
     p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     return p
 
