@@ -187,6 +187,22 @@ class Results:
         return (f"{models}; {recs} of Alpaca, seq {base.get('seq_len', '?')}, "
                 f"{rows_per_step(base)} rows/step, {base.get('steps', '?')} steps")
 
+    def e3_scale(self) -> str | None:
+        """One line describing E3's runs (other models, steps and ranks than E1/E2), or None without any."""
+        e3 = [r for r in self.runs.values() if "E3" in r.experiments]
+        if not e3:
+            return None
+        c = e3[0].config
+        models = sorted({f"{r.config.get('model')}" + "".join(f" {k}={v}" for k, v in
+                                                            (r.config.get("model_overrides") or {}).items())
+                         for r in e3})
+        ranks = (f"{c['virtual_ep']} virtual EP ranks in one process" if c.get("virtual_ep", 1) > 1 else
+                 f"EP{c['ep']} under torchrun" if c.get("ep", 1) > 1 else "one process")
+        methods = sorted({r.config.get("placement") for r in e3 if r.config.get("placement")})
+        seeds = sorted({r.config.get("seed") for r in e3})
+        return (f"{'; '.join(models)}; {c.get('steps', '?')} steps, {ranks}; methods {', '.join(methods)}; "
+                f"seeds {', '.join(str(s) for s in seeds)}")
+
     def find(self, family: str, drop: float, scorer: str | None, seed: int) -> Run | None:
         """The run of ``family`` at drop ratio ``drop`` with ``scorer`` and ``seed``, in the tables'
         setting (compact mode, waterfill quotas). With a manifest only the preset's runs count

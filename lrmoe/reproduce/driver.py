@@ -69,8 +69,8 @@ def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_r
               simulate: bool = True) -> int:
     """Run every pending run of ``preset`` (skipping finished ones), then the figures. Returns an
     exit code: 0, 1 (a run failed), 2 (a run folder of another config, a damaged one or one that
-    another process trains, or a preset whose hardware this machine lacks: checked before anything
-    is written or fetched), 130 (stopped; rerun to resume). Bad arguments (preset, ``out_dir``,
+    another process trains, a preset whose hardware this machine lacks, or no data for the runs:
+    checked before anything is written or fetched), 130 (stopped; rerun to resume). Bad arguments (preset, ``out_dir``,
     ``only``, ``jobs``) raise :class:`lrmoe.runs.UsageError`.
 
     A torchrun preset (``paper``) launched from a shell prints one ``torchrun`` command per pending
@@ -103,9 +103,9 @@ def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_r
     if dry_run:
         _list_runs(p, out, runs, sv, pl["skip"], missing)
         return 0
-    if pl["skip"]:
-        print(f"{p.prog}: skipped: {pl['skip']}", file=sys.stderr)
-        return 0
+    if pl["skip"]:  # no data: nothing can run, and a script must not read that as success
+        print(f"{p.prog}: nothing was run: {pl['skip']}", file=sys.stderr)
+        return 2
     refusal = sv.refusal(out, p.prog)
     if refusal:
         if main:
@@ -236,7 +236,7 @@ def _list_runs(p: Preset, out: Path, runs: list[RunSpec], sv, skip: str | None, 
         print(f"  note: {missing}: a real call stops with status 2 before it writes or fetches anything",
               file=sys.stderr)
     if skip:
-        print(f"  note: {skip}", file=sys.stderr)
+        print(f"  note: {skip}: a real call stops with status 2 and runs nothing", file=sys.stderr)
 
 
 def _launch_torchrun(p: Preset, out: Path, all_runs: list[RunSpec], runs: list[RunSpec], pending: list[RunSpec],

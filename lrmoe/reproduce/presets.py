@@ -45,7 +45,7 @@ class Preset:
     elsewhere = "use --preset cpu (or smoke) here"
 
     def runs(self) -> list[RunSpec]:
-        """Every run of the preset, E1 and E2 (:func:`lrmoe.reproduce.experiments.preset_runs`)."""
+        """Every run of the preset, E1, E2 and E3 (:func:`lrmoe.reproduce.experiments.preset_runs`)."""
         return preset_runs(self)
 
     def command(self) -> str:
@@ -58,7 +58,9 @@ class Preset:
         ep = (f" placement={c['placement']} virtual_ep={c['virtual_ep']}" if c.get("virtual_ep", 1) > 1 else
               f" placement={c['placement']} ep={c['ep']}" if c.get("ep", 1) > 1 else "")
         ep += " +trace" if r.record_trace else ""
-        return f"model={c['model']} drop={c['drop_ratio']} scorer={c['scorer']} seed={c['seed']} steps={c['steps']}{ep}"
+        over = "".join(f" {k}={v}" for k, v in (c.get("model_overrides") or {}).items())
+        return (f"model={c['model']}{over} drop={c['drop_ratio']} scorer={c['scorer']} seed={c['seed']} "
+                f"steps={c['steps']}{ep}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -90,7 +92,8 @@ PRESETS: dict[str, Preset] = {
         cost="measured: about 20-40 s on 2 CPU cores (24 runs)"),
     "cpu": Preset(
         "cpu", "CPU-scale reproduction: qwen3-moe-small / glm4-moe-small (16 experts, top-4) near memorisation "
-               "of a 16-record Alpaca sample (alpaca_en_demo; 14 train / 2 held out), E1 + E2 with 3 seeds",
+               "of a 16-record Alpaca sample (alpaca_en_demo; 14 train / 2 held out), E1 + E2 with 3 seeds; E3: the same "
+               "families with 128 experts and top-8 on 8 virtual EP ranks, 4 methods x 3 seeds",
         {"qwen3": "qwen3-moe-small", "glm4": "glm4-moe-small"}, _CPU_BASE, "alpaca/alpaca_en_demo.json",
         e2_seeds=(0, 1, 2), jobs=2, hardware="2 CPU cores",
         # E3: the same small models with the paper's 128 experts and top-8 routing (so that their traces

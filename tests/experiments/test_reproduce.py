@@ -55,6 +55,38 @@ def test_presets_are_data():
     assert gpu["model"] == "qwen3-30b-a3b" and gpu["seq_len"] == 8192 and gpu["model_overrides"]
 
 
+def test_paper_preset_has_e3_torchrun_runs_that_record_their_routing(tmp_path, capsys):
+    """The paper preset's E3 (issue 14): fixed, SYMI and UltraEP at EP8 per model, each recording its
+    routing trace; LRMoE is E1's C20 run, tagged E3 and recording too; --dry-run prints each one's
+    torchrun command with --record-trace into its run folder."""
+    from lrmoe.cli import main
+
+    runs = PRESETS["paper"].runs()
+    assert len(runs) == len({r.name for r in runs}) == 40  # 34 E1/E2 + 6 E3
+    e3 = [r for r in runs if "E3" in r.experiments]
+    for fam in ("qwen3", "glm4"):
+        mine = {r.config["placement"]: r for r in e3 if r.family == fam}
+        assert sorted(mine) == ["fixed", "lrmoe", "symi", "ultraep"], fam
+        assert all(r.record_trace and r.config["ep"] == 8 for r in mine.values())
+        lrmoe = mine["lrmoe"]
+        assert lrmoe.name == f"{fam}-C20-lrm-s0" and {"E1", "E2", "E3"} <= set(lrmoe.experiments)
+        assert lrmoe.config["drop_ratio"] == 0.2
+        assert all(r.config["drop_ratio"] == 0.0 for p, r in mine.items() if p != "lrmoe")
+    assert not [r for r in runs if "E3" not in r.experiments and r.record_trace]
+    out = tmp_path / "paper"
+    assert main(["reproduce", "--preset", "paper", "--dry-run", "--out", str(out), "--only", "E3|C20-lrm-s0"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    listed = [ln.split()[0] for ln in lines if not ln.startswith("    ")]
+    assert sorted(listed) == sorted(r.name for r in e3)
+    commands = [ln.strip() for ln in lines if ln.startswith("    torchrun")]
+    assert len(commands) == len(e3)
+    for r in e3:
+        cmd = next(c for c in commands if f"{out / r.name}" in c)
+        assert "--nproc-per-node 8" in cmd and f"--record-trace {out / r.name}/" in cmd, cmd
+        assert f"--placement {r.config['placement']}" in cmd and "--ep 8" in cmd, cmd
+    assert not out.exists()
+
+
 def test_smoke_end_to_end(smoke):
     for f in TABLES + FIGURES + ["report.md", "manifest.json", "reproduce.json"]:
         assert (smoke / f).is_file() and (smoke / f).stat().st_size > 0, f
@@ -179,12 +211,18 @@ def test_dry_run_shows_a_stale_run(smoke, tmp_path, capsys):
     assert main(["reproduce", "--preset", "smoke", "--out", str(out), "--only", f"^{name}$"]) == 2
 
 
-def test_missing_shared_data_skips(tmp_path, monkeypatch, capsys):
+def test_missing_shared_data_is_status_2_and_runs_nothing(tmp_path, monkeypatch, capsys):
+    """Without data nothing can run: said with where the data was looked for and what is accepted,
+    status 2 (it was 0, so `make ablate` in a clone without the shared folder "succeeded" having run
+    nothing), no folder written; --dry-run still lists the runs."""
     monkeypatch.setenv("LRMOE_SHARED_DATA", str(tmp_path / "nowhere"))
     monkeypatch.delenv("LRMOE_ALPACA", raising=False)
     assert plan("smoke", tmp_path)["skip"]
-    assert reproduce("smoke", tmp_path / "out", progress=False) == 0
-    assert "skipped" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    assert reproduce("smoke", tmp_path / "out", progress=False) == 2
+    err = capsys.readouterr().err
+    assert "nothing was run" in err and str(tmp_path / "nowhere") in err and "--data PATH" in err
+    assert not (tmp_path / "out").exists()
+    assert reproduce("smoke", tmp_path / "out", progress=False, dry_run=True) == 0
 
 
 def test_a_run_folder_with_an_unreadable_summary_is_refused(smoke, tmp_path, capsys):
