@@ -116,6 +116,7 @@ def figure_a1(records: list[dict], out: Path) -> list[Path]:
                 ax.plot(xs, [ml[(c, v, d)] for d in xs], linestyle=":", color=colours[base], linewidth=0.8)
             ax.set_title(f"{c} model: {p}_proj", fontsize=10)
             ax.set_xlabel("drop ratio")
+            ax.tick_params(labelbottom=True)  # sharex hides the upper rows' tick labels; each panel reads alone
             ax.set_ylabel("||G - G_full|| / ||G_full||")
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize=8, frameon=False,
