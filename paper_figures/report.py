@@ -44,9 +44,10 @@ def make_all(results_dir, out_dir=None, only: list[str] | None = None,
 
 
 def _report(res: Results, out: Path, paper: dict, status: dict) -> str:
+    e3 = res.e3_scale()
     lines = [f"# Reproduced tables and figures: preset `{res.preset_name}`", "",
-             f"- scale: {res.scale()}" + (" (E1, E2)" if res.e3_scale() else ""),
-             *([f"- scale of E3 (T3, F4): {res.e3_scale()}"] if res.e3_scale() else []),
+             f"- scale: {res.scale()}" + (" (E1, E2)" if e3 else ""),
+             *([f"- scale of E3 (T3, F4): {e3}"] if e3 else []),
              f"- hardware: {res.hardware()}",
              f"- runs: {sum(r.done for r in res.runs.values())} finished of {len(res.runs)} found"
              + (f" ({len((res.manifest or {}).get('runs', []))} in the preset)" if res.manifest else "")]

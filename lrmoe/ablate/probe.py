@@ -63,6 +63,13 @@ def variants(scorers) -> list[tuple[str, str, str]]:
     return out
 
 
+def _train_config(fields: dict):
+    """A TrainConfig from a run's recorded fields (keys another kit version wrote are left out)."""
+    from lrmoe.train import TrainConfig
+
+    return TrainConfig(**{k: v for k, v in fields.items() if k in TrainConfig.__dataclass_fields__})
+
+
 def _log(msg: str, progress: bool) -> None:
     if progress:
         print(f"probe: {msg}", file=sys.stderr, flush=True)
@@ -73,7 +80,7 @@ def _log(msg: str, progress: bool) -> None:
 def train_default(out: Path, data: str | None, steps: int | None, model: str | None, progress: bool) -> Path:
     """The default model: trained briefly in ``out/model`` (an existing finished run is reused)."""
     from lrmoe.reproduce.presets import PRESETS, resolve_data
-    from lrmoe.train import TrainConfig, train
+    from lrmoe.train import train
 
     preset = PRESETS["cpu"]
     src, why = resolve_data(preset, data)
@@ -84,7 +91,7 @@ def train_default(out: Path, data: str | None, steps: int | None, model: str | N
         fields.update(steps=steps, warmup_steps=min(DEFAULT_TRAIN["warmup_steps"], steps // 10))
     if model is not None:
         fields["model"] = model
-    cfg = TrainConfig(**{k: v for k, v in fields.items() if k in TrainConfig.__dataclass_fields__})
+    cfg = _train_config(fields)
     run = out / "model"
     if _finished_without_checkpoint(run):
         restore(cfg, run, progress)
@@ -121,10 +128,8 @@ def restore(cfg, run: Path, progress: bool) -> None:
 def run_config(run: Path):
     """The TrainConfig of the finished run folder ``run`` from its summary.json (for :func:`restore`)."""
     from lrmoe.run_folder import read_summary
-    from lrmoe.train import TrainConfig
 
-    c = read_summary(run)["config"]
-    cfg = TrainConfig(**{k: v for k, v in c.items() if k in TrainConfig.__dataclass_fields__})
+    cfg = _train_config(read_summary(run)["config"])
     if cfg.data and Path(cfg.data).is_absolute() and not Path(cfg.data).exists():  # a local file of another machine
         raise ProbeError(f"--run {run}: a finished run without its checkpoint; training it again needs its data "
                          f"{cfg.data}, not found here (train the run again with `lrmoe train` or `lrmoe reproduce` "
@@ -132,11 +137,8 @@ def run_config(run: Path):
     return cfg
 
 
-def load_run(run: Path, dtype: torch.dtype = torch.float32):
-    """(trained model, model at initialisation, config, train set) of an `lrmoe train` run folder,
-    in ``dtype``."""
-    from lrmoe import hf
-    from lrmoe.train import TrainConfig, load_data
+def read_run(run: Path):
+    """(checkpoint, config) of an `lrmoe train` run folder the probe can read; ProbeError otherwise."""
     from lrmoe.train import checkpoint
 
     path = Path(run) / checkpoint.MAIN
@@ -146,10 +148,20 @@ def load_run(run: Path, dtype: torch.dtype = torch.float32):
     ck = checkpoint.load(path)
     if not isinstance(ck, dict) or "model" not in ck or "config" not in ck:
         raise ProbeError(f"--run {run}: {path} is not an lrmoe train checkpoint (no model or config entry)")
-    cfg = TrainConfig(**{k: v for k, v in ck["config"].items() if k in TrainConfig.__dataclass_fields__})
+    cfg = _train_config(ck["config"])
     if cfg.init_from or cfg.ep > 1:
         raise ProbeError(f"--run {run}: the probe rebuilds single-process preset models (this run has "
                          f"{'init_from' if cfg.init_from else 'ep > 1'})")
+    return ck, cfg
+
+
+def load_run(run: Path, dtype: torch.dtype = torch.float32):
+    """(trained model, model at initialisation, config, train set) of an `lrmoe train` run folder,
+    in ``dtype``."""
+    from lrmoe import hf
+    from lrmoe.train import load_data
+
+    ck, cfg = read_run(run)
     train_set, _, stats = load_data(cfg)
     # built in float32 as training builds it, then cast: the same initialisation in either dtype (a
     # float64 build would draw other initial weights from the same seed)
@@ -427,7 +439,7 @@ def run_probe(a) -> dict:
     if a.run is not None and _finished_without_checkpoint(Path(a.run)):
         restore(run_config(Path(a.run)), Path(a.run), progress)
     run = Path(a.run) if a.run is not None else train_default(out, a.data, a.steps, a.model, progress)
-    cfg = load_run(run)[2]  # refused here, in this process, if the run folder is not one the probe reads
+    cfg = read_run(run)[1]  # refused here, in this process, if the run folder is not one the probe reads
     work = [dict(run=str(run), dtype=a.dtype, label=label, rows=a.rows, batches=a.batches, seed=a.seed, drops=a.drops,
                  scorers=a.scorers, draws=a.draws, threads=threads, progress=progress) for label in a.checkpoints]
     if jobs > 1 and len(work) > 1:  # one process per checkpoint (each with `threads` torch threads)

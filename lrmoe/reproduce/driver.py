@@ -276,11 +276,11 @@ def _finish(p, out, runs, pending, failures, wall, jobs, only, figures, at_start
           f"{machine_line(at_start)} at the start; load average {_load(at_end)} at the end", file=sys.stderr)
     if callable(figures):  # the caller's tables and figures (`lrmoe ablate`: the grid's aggregation)
         return max(int(figures(out, runs) or 0), 1 if failures else 0)
-    sim_failed = False
+    step_failed = False  # the simulation or the probe (each says why on stderr)
     if figures and simulate:
-        sim_failed = _simulate(out)
+        step_failed = _simulate(out)
     if figures and getattr(p, "probe", None):
-        sim_failed = _probe(out, p.probe) or sim_failed
+        step_failed = _probe(out, p.probe) or step_failed
     if figures:
         from paper_figures import make_all
 
@@ -307,7 +307,7 @@ def _finish(p, out, runs, pending, failures, wall, jobs, only, figures, at_start
             print(f"comparison with {reference}/ and the paper: {', '.join(str(f) for f in files)}", file=sys.stderr)
             sys.stdout.write("\n" + render_markdown(result))
             sys.stdout.flush()
-    return 1 if failures or sim_failed else 0
+    return 1 if failures or step_failed else 0
 
 
 def _simulate(out: Path) -> bool:

@@ -20,8 +20,7 @@ from pathlib import Path
 
 from lrmoe.files import CorruptFileError, read_json
 from lrmoe.run_folder import read_summary
-
-SUBDIR = "probe"
+from paper_figures.makers import PROBE_DIR as SUBDIR  # where the report's A1 maker reads it
 
 
 def probe_argv(out, spec: dict) -> list[str]:
