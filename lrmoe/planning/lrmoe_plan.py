@@ -35,6 +35,18 @@ backward quotas per (source, instance) are proportional to the pairs sent.
 Under memory pressure quotas shrink (``fallback == "shrink_quota"``, bisection on n_keep down to
 ``max_drop_ratio``), the forward stays complete; only when even that does not fit is the
 microbatch split (``split_microbatch:N``) or, with ``fallback="oom"``, an out-of-memory reported.
+
+Exact or approximate searches. By default (``search_tolerance = 0``) every bisection runs to one
+unit: the plans are those of the frozen reference (:mod:`lrmoe.planning.reference`). With
+``search_tolerance = t > 0`` each bisection stops once its bracket is narrower than
+``max(1, floor(t * scale))`` units, the scale being the routed pairs P for the kept-pair search and
+the ranks' mean cost for the threshold searches; the plan returned is the bracket's feasible end
+(it meets its threshold, and under pressure it fits the budget), so it is as valid as an exact one
+but may keep up to about t * P fewer pairs or have a slowest rank up to about t * mean cost
+slower. Whether a plan fits is not monotone in the kept pairs nor in the threshold (the greedy's
+memory pass rounds rows), so the exact bisection's answer is one of several boundaries and an
+approximate search can also land on a better one. docs/benchmarks.md measures what a tolerance
+buys and costs.
 """
 from __future__ import annotations
 
@@ -190,7 +202,7 @@ class _QuotaSearch:
     candidates are memoised per threshold, so ``fits`` then ``result`` costs no more than ``result``."""
 
     def __init__(self, d_GE, q_E, cluster: Cluster, dims: ModelDims, budget, *, free_G, owner_E,
-                 backward_weight, min_rows, info):
+                 backward_weight, min_rows, info, tolerance=0.0):
         G, E = d_GE.shape
         d_E = d_GE.sum(0)
         frac_E = np.divide(q_E, d_E, out=np.zeros(E), where=d_E > 0)
@@ -216,6 +228,7 @@ class _QuotaSearch:
         self.greedy_memo: dict[int, list | None] = {}
         self.candidate_memo: dict[int, _Candidate | None] = {}
         self.hi: int | None = None
+        self.slack = max(1, math.floor(tolerance * max(self.lo, 1)))  # bracket width at which the searches stop
 
     def greedy(self, tau: int):
         if tau not in self.greedy_memo:
@@ -234,7 +247,7 @@ class _QuotaSearch:
         """The smallest integer threshold the greedy meets (bisection; ``top`` always: no replica needed)."""
         if self.hi is None:
             lo, hi = self.lo, self.top
-            while lo < hi:
+            while hi - lo >= self.slack:  # slack 1: until lo == hi
                 mid = (lo + hi) // 2
                 lo, hi = (lo, mid) if self.greedy(mid) is not None else (mid + 1, hi)
             self.hi = hi
@@ -282,7 +295,7 @@ class _QuotaSearch:
         if found is None:
             return plan
         good = found.tau
-        while good - bad > 1:
+        while good - bad > self.slack:
             mid = (bad + good) // 2
             p = fitting(mid)
             bad, good, found = (bad, mid, p) if p is not None else (mid, good, found)
@@ -421,7 +434,7 @@ def _candidate(d_GE, q_E, replicas, tau, cluster: Cluster, dims: ModelDims, budg
 def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio: float = 0.0,
                quota_policy: str = "waterfill", quota_options: dict | None = None, replica_slots: int | None = None,
                backward_weight: float = 2.0, min_rows: int = 1, max_drop_ratio: float = 0.9,
-               fallback: str = "split", max_split: int = 256):
+               fallback: str = "split", max_split: int = 256, search_tolerance: float = 0.0):
     """LRMoE joint planner (module docstring).
 
     drop_ratio: requested backward drop ratio rho (kept pairs = round((1 - rho) P)).
@@ -430,7 +443,9 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
     backward_weight: cost of a kept backward row in forward rows (2.0).
     min_rows: smallest replica worth its weight transfer, in rows (1).
     max_drop_ratio: how far quotas may shrink under memory pressure (0.9).
-    fallback when even max_drop_ratio does not fit: ``split`` (default) or ``oom``."""
+    fallback when even max_drop_ratio does not fit: ``split`` (default) or ``oom``.
+    search_tolerance: relative width at which the kept-pair and threshold bisections stop, in [0, 0.1]
+    (0: exact, the reference's plans; module docstring)."""
     check_drop_ratio(drop_ratio)
     check_drop_ratio(max_drop_ratio)
     if max_drop_ratio < drop_ratio:
@@ -439,6 +454,9 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
         raise ValueError(f"lrmoe fallback must be 'split' or 'oom' (quotas shrink first), got {fallback!r}")
     if not isinstance(backward_weight, (int, float)) or backward_weight < 0:
         raise ValueError(f"backward_weight must be a number >= 0, got {backward_weight!r}")
+    if isinstance(search_tolerance, bool) or not isinstance(search_tolerance, (int, float)) \
+            or not 0 <= search_tolerance <= 0.1:
+        raise ValueError(f"search_tolerance must be a number in [0, 0.1] (0: exact searches), got {search_tolerance!r}")
     if isinstance(min_rows, bool) or not isinstance(min_rows, (int, np.integer)) or min_rows < 1:
         raise ValueError(f"min_rows must be an integer >= 1, got {min_rows!r}")
     epr = owned_layout(cluster, dims, "lrmoe")
@@ -450,7 +468,8 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
     compute_quota(np.zeros(dims.num_experts, dtype=np.int64), drop_ratio, quota_policy, **quota_options)  # validates
     kw = dict(free_G=np.full(cluster.num_ranks, R, dtype=np.int64), owner_E=np.arange(dims.num_experts) // epr,
               backward_weight=float(backward_weight), min_rows=int(min_rows),
-              info={"drop_ratio": drop_ratio, "quota_policy": quota_policy})
+              info={"drop_ratio": drop_ratio, "quota_policy": quota_policy, "search_tolerance": search_tolerance},
+              tolerance=float(search_tolerance))
 
     searches: dict[tuple, _QuotaSearch] = {}  # (demand piece, n_keep) -> its search, within this call
 
@@ -486,7 +505,8 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
         lo_keep = retained_total(P, max_drop_ratio)
         if not fits_keep(lo_keep):
             return None  # quotas alone cannot make it fit: resolve_budget splits or reports oom
-        while hi_keep - lo_keep > 1:  # lo_keep fits, hi_keep does not
+        slack = max(1, math.floor(search_tolerance * P))  # 1: exact
+        while hi_keep - lo_keep > slack:  # lo_keep fits, hi_keep does not
             mid = (lo_keep + hi_keep) // 2
             lo_keep, hi_keep = (mid, hi_keep) if fits_keep(mid) else (lo_keep, mid)
         return lo_keep
