@@ -5,24 +5,25 @@ import torch.nn.functional as F
 f64 = torch.float64
 
 
-def expert_ref(x_H, gate_up_2IH, down_HI):
+def expert_ref(x_H, gate_up_2IH, down_HI, activation=None):
     gate, up = (gate_up_2IH @ x_H).chunk(2)
-    h = F.silu(gate) * up
+    h = (F.silu if activation is None else activation)(gate) * up
     return down_HI @ h, h
 
 
-def moe_loop(x_TH, idx_TK, w_TK, gate_up, down, kept_TK=None, scale_TK=None):
+def moe_loop(x_TH, idx_TK, w_TK, gate_up, down, kept_TK=None, scale_TK=None, activation=None):
     """y_t = sum_k w_tk * expert(x_t); pairs with kept_TK False keep their forward value and their
     router gradient but contribute nothing to the expert weights' or the inputs' gradient through
     the expert (exactly LRMoE's semantics); a kept pair's gradient through the expert is multiplied
-    by ``scale_TK`` when given (the 1/pi of a sampled selection). Returns (y_TH, h_norm2_TK)."""
+    by ``scale_TK`` when given (the 1/pi of a sampled selection); ``activation`` None is SiLU.
+    Returns (y_TH, h_norm2_TK)."""
     T, K = idx_TK.shape
     rows, h2 = [], torch.zeros(T, K, dtype=torch.float64)
     for t in range(T):
         acc = 0
         for k in range(K):
             e = int(idx_TK[t, k])
-            o, h = expert_ref(x_TH[t], gate_up[e], down[e])
+            o, h = expert_ref(x_TH[t], gate_up[e], down[e], activation)
             h2[t, k] = (h.detach().double() ** 2).sum()
             if kept_TK is not None and not bool(kept_TK[t, k]):
                 o = o.detach()

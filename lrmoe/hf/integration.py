@@ -40,10 +40,9 @@ def activation_of(experts: nn.Module):
     return experts_activation(act)
 
 
-def check_supported(experts: nn.Module, *, any_activation: bool = True) -> None:
+def check_supported(experts: nn.Module) -> None:
     """ValueError unless ``experts`` is a fused, gated experts module without biases or norms, with
-    transformers' default gate (act(gate) * up) and an activation without parameters; with
-    ``any_activation=False`` (the expert-parallel runtime) SiLU only."""
+    transformers' default gate (act(gate) * up) and an activation without parameters."""
     problems = []
     if getattr(experts, "has_bias", False):
         problems.append("expert biases")
@@ -57,12 +56,9 @@ def check_supported(experts: nn.Module, *, any_activation: bool = True) -> None:
     if gate_fn is not None and getattr(gate_fn, "__name__", "") != "_default_apply_gate":
         problems.append("a custom _apply_gate (only act(gate) * up)")
     try:
-        activation = activation_of(experts)
+        activation_of(experts)
     except ValueError as e:
         problems.append(str(e))
-    else:
-        if activation is not None and not any_activation:
-            problems.append(f"activation {type(activation).__name__} (the expert-parallel runtime runs SiLU only)")
     if problems:
         raise ValueError(f"the lrmoe experts implementation does not support {', '.join(problems)} "
                          f"in {type(experts).__name__}")

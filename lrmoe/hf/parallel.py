@@ -49,7 +49,7 @@ def ep_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index
         ref = weakref.ref(self)
         record = BackwardRecord(on_fill=lambda r: (m := ref()) is not None and setattr(m, _hf.RECORD_ATTR, r))
     y = ep_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
-                   getattr(self, _EP_ATTR), policy, record)
+                   getattr(self, _EP_ATTR), policy, record, _hf.activation_of(self))
     return y.to(hidden_states.dtype)
 
 
@@ -74,7 +74,7 @@ def parallelize_experts(model: nn.Module, group=None, placement: str = "fixed", 
     for m in mods:
         if isinstance(getattr(m, _EP_ATTR, None), ExpertParallel):
             raise ValueError(f"{type(m).__name__} is already expert parallel")
-        _hf.check_supported(m, any_activation=False)  # the runtime's expert function is SwiGLU
+        _hf.check_supported(m)
         E = int(m.gate_up_proj.shape[0])
         ep = ExpertParallel(E, group, placement, budget_bytes=budget_bytes, slots_per_rank=slots_per_rank,
                             fast_domains=fast_domains, **options)

@@ -49,7 +49,8 @@ def all_to_all(ep, x: torch.Tensor, out_splits, in_splits, what: str, comm: dict
 #: What each entry of the header gathered with the demand is (names for the error message).
 HEADER_NAMES = ("num_experts", "hidden", "intermediate", "top_k", "experts_per_rank", "weight dtype",
                  "placement", "backward mode", "drop_ratio (1e-9)", "scorer", "quota policy", "slots_per_rank",
-                 "quota/scorer options (crc)", "planner options, budget, fast domains, byte sizes (crc)")
+                 "quota/scorer options (crc)", "planner options, budget, fast domains, byte sizes (crc)",
+                 "activation")
 
 
 def check_headers(ep, rows: np.ndarray, h: int, readable: list | None = None) -> None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..experts import (Stopwatch, acc_dtype, autocast_off, buffer_bytes, expert_backward, row_weights, score_pairs,
-                       select_within_quota, swiglu)
+from ..experts import (Stopwatch, acc_dtype, autocast_off, buffer_bytes, expert_backward, gated, row_weights,
+                       score_pairs, select_within_quota)
 from ..kernels.grouped_gemm import grouped_mm
 from ..kernels.routing import sort_pairs_by_expert, sum_rows_by_token
 from .collectives import all_to_all
@@ -22,9 +22,10 @@ BACKWARD_ROW_KEYS = ("bwd_grad_rows", "bwd_grad_index", "bwd_dx")
 class Call:
     """What one EP layer call carries from forward to backward (besides saved tensors)."""
 
-    def __init__(self, ep, plan, layout, policy, record, num_experts):
+    def __init__(self, ep, plan, layout, policy, record, num_experts, activation=None):
         self.ep, self.plan, self.layout, self.policy, self.record = ep, plan, layout, policy, record
         self.num_experts = num_experts
+        self.activation = activation  # as in lrmoe.experts.gated: None is SiLU (the fused SwiGLU path)
         self.comm: dict[str, int] = {}
         self.plan_seconds = 0.0  # host seconds spent planning this call (set by the runtime; goes into the record)
 
@@ -89,7 +90,7 @@ class EPExperts(torch.autograd.Function):
         X_g = X_recv.index_select(0, lay.recv_order)
         del X_recv, X_send
         GU = _row_gemm(X_g, W_gu.transpose(1, 2), lay.offs_g, backend)
-        h = swiglu(GU)
+        h = gated(GU, call.activation)
         O_g = _row_gemm(h, W_d.transpose(1, 2), lay.offs_g, backend)
         phi_g = None
         if policy.selects:
@@ -175,7 +176,8 @@ class EPExperts(torch.autograd.Function):
 
         # 4. Compacted grouped GEMMs on the expert side.
         if G_k.shape[0]:
-            dX_k, dW_gu, dW_d = expert_backward(G_k, GU_k, X_k, offs, W_gu, W_d, backend=policy.backend)
+            dX_k, dW_gu, dW_d = expert_backward(G_k, GU_k, X_k, offs, W_gu, W_d, backend=policy.backend,
+                                                activation=call.activation)
         else:
             dX_k, dW_gu, dW_d = G_k.new_zeros(0, W_gu.shape[2]), torch.zeros_like(W_gu), torch.zeros_like(W_d)
         watch.lap("gemm")

@@ -1,4 +1,5 @@
-"""Expert-parallel SwiGLU experts on torch.distributed (NCCL on GPUs, gloo on CPU).
+"""Expert-parallel gated experts on torch.distributed (NCCL on GPUs, gloo on CPU): SwiGLU by default,
+any elementwise activation through the general path of :func:`lrmoe.experts.gated`.
 
 One call of :func:`ep_experts` on every rank of the expert-parallel group runs one MoE layer's
 routed experts over the tokens of all ranks (see docs/expert_parallel.md)::
@@ -52,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..experts import autocast_inputs, autocast_off, check_routing_shapes
+from ..experts import autocast_inputs, autocast_off, check_activation, check_routing_shapes
 from ..policy import MODES, BackwardPolicy, BackwardRecord, check_policy
 from ..planning.plan import Cluster, ModelDims, Plan, check_budget
 from ..planning.policies import get_placement
@@ -256,8 +257,11 @@ def _merge_records(target: BackwardRecord, parts: list[BackwardRecord]) -> None:
 
 def ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weights_TK: torch.Tensor,
                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, ep: ExpertParallel,
-               policy: BackwardPolicy | None = None, record: BackwardRecord | None = None) -> torch.Tensor:
-    """Expert-parallel SwiGLU experts over this rank's tokens (a collective: every rank calls it).
+               policy: BackwardPolicy | None = None, record: BackwardRecord | None = None,
+               activation=None) -> torch.Tensor:
+    """Expert-parallel gated experts over this rank's tokens (a collective: every rank calls it).
+    ``activation``: as in :func:`lrmoe.experts.lrmoe_experts` (None: SiLU, the fused SwiGLU path; any
+    elementwise callable otherwise, with its exact backward); every rank must pass the same one.
 
     hidden_TH [T, H] (this rank's tokens; T may be 0); top_k_index_TK [T, K] global expert ids;
     top_k_weights_TK [T, K]; gate_up_proj [E/G, 2I, H] and down_proj [E/G, H, I]: this rank's
@@ -272,6 +276,7 @@ def ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weig
     ``profile``); with ``profile=True`` it is also ``timings["fwd_plan"]``. It is part of the
     forward's time (the planner runs inside the experts function, before the dispatch)."""
     policy = check_policy(policy)
+    check_activation(activation)
     _check_local_inputs(hidden_TH, top_k_index_TK, top_k_weights_TK, gate_up_proj, down_proj, ep)
     policy = policy.snapshot(hidden_TH.device)  # what this call's forward and backward use
     # under torch.autocast: bf16/fp16 rows and weights, like lrmoe_experts (then autocast off inside)
@@ -283,11 +288,11 @@ def ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weig
               round(policy.drop_ratio * 1e9), crc(policy.scorer), crc(policy.quota), ep.cluster.slots_per_rank,
               crc(repr((sorted(policy.quota_kwargs.items()), sorted(policy.scorer_kwargs.items()), policy.phi,
                         policy.selection))),
-              crc(ep.planner_signature())]
+              crc(ep.planner_signature()), crc(activation_key(activation))]
     readable = [E, H, I, K, ep.experts_per_rank, gate_up_proj.dtype, ep.placement, policy.mode, policy.drop_ratio,
                 policy.scorer, policy.quota, ep.cluster.slots_per_rank,
                 (sorted(policy.quota_kwargs.items()), sorted(policy.scorer_kwargs.items()), policy.phi, policy.selection),
-                ep.planner_signature()]
+                ep.planner_signature(), activation_key(activation)]
     demand_GE = gather_demand(ep, torch.bincount(idx.reshape(-1), minlength=E), header, readable)
     dims = ep.dims(H, I, K, gate_up_proj.element_size())
     prev_state = ep.state
@@ -300,7 +305,8 @@ def ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weig
     check_fits(plan, ep)
     if plan.num_splits == 1:
         ep.last_plan = plan
-        return _run(hidden_TH, idx, top_k_weights_TK, gate_up_proj, down_proj, ep, plan, policy, record, plan_s)
+        return _run(hidden_TH, idx, top_k_weights_TK, gate_up_proj, down_proj, ep, plan, policy, record, plan_s,
+                    activation)
 
     # split_microbatch:N: N pieces of this rank's tokens (contiguous, as even as possible), each
     # planned on its own demand (fallback oom: executed even if a piece is still over budget).
@@ -324,15 +330,26 @@ def ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weig
             rec_j = BackwardRecord(on_fill=on_fill)
             parts.append(rec_j)
         outs.append(_run(hidden_TH[sl], i_j, top_k_weights_TK[sl], gate_up_proj, down_proj, ep, p_j, policy, rec_j,
-                         piece_s))
+                         piece_s, activation))
     ep.last_plan = plans
     return torch.cat(outs)
 
 
-def _run(hidden_TH, idx, w_TK, gate_up, down, ep, plan, policy, record, plan_seconds=0.0):
+def activation_key(activation) -> str:
+    """A name of the activation that is the same in every process (the ranks' header check):
+    'silu' for None, a module's repr (its settings, e.g. ``GELU(approximate='tanh')``), a
+    function's qualified name."""
+    if activation is None:
+        return "silu"
+    if isinstance(activation, nn.Module):
+        return repr(activation)
+    return f"{getattr(activation, '__module__', '')}.{getattr(activation, '__qualname__', type(activation).__name__)}"
+
+
+def _run(hidden_TH, idx, w_TK, gate_up, down, ep, plan, policy, record, plan_seconds=0.0, activation=None):
     compacts = policy.selects and policy.mode == "compact" and bool((plan.backward_quota_GN != plan.send_GN).any())
     layout = Layout(plan, ep.rank, ep.experts_per_rank, compacts, hidden_TH.device)
-    call = Call(ep, plan, layout, policy, record, ep.num_experts)
+    call = Call(ep, plan, layout, policy, record, ep.num_experts, activation)
     call.plan_seconds = plan_seconds
     with autocast_off(hidden_TH.device):
         return EPExperts.apply(hidden_TH, w_TK, gate_up, down, idx, call)
@@ -340,15 +357,18 @@ def _run(hidden_TH, idx, w_TK, gate_up, down, ep, plan, policy, record, plan_sec
 
 # ----------------------------------------------------------------------------- module
 class ExpertParallelExperts(nn.Module):
-    """This rank's share of an expert-parallel SwiGLU experts layer (transformers layout).
+    """This rank's share of an expert-parallel gated experts layer (transformers layout; ``activation``
+    as in :func:`ep_experts`, None: SwiGLU).
 
     gate_up_proj [E/G, 2I, H], down_proj [E/G, H, I]: the experts ``ep.local_experts``.
     ``forward(hidden [T, H], top_k_index [T, K] (global ids), top_k_weights [T, K])``.
     ``last_backward``: this rank's :class:`BackwardRecord` of the latest backward."""
 
     def __init__(self, ep: ExpertParallel, hidden_size: int, intermediate_size: int,
-                 policy: BackwardPolicy | None = None):
+                 policy: BackwardPolicy | None = None, activation=None):
         super().__init__()
+        check_activation(activation)
+        self.activation = activation
         El = ep.experts_per_rank
         self.ep, self.hidden_size, self.intermediate_size = ep, hidden_size, intermediate_size
         self.num_experts = ep.num_experts
@@ -359,10 +379,10 @@ class ExpertParallelExperts(nn.Module):
 
     @classmethod
     def from_full(cls, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, ep: ExpertParallel,
-                  policy: BackwardPolicy | None = None) -> "ExpertParallelExperts":
+                  policy: BackwardPolicy | None = None, activation=None) -> "ExpertParallelExperts":
         """This rank's module from full [E, 2I, H] / [E, H, I] weights (every rank passes the same)."""
         E, I2, H = gate_up_proj.shape
-        m = cls(ep, H, I2 // 2, policy).to(device=gate_up_proj.device, dtype=gate_up_proj.dtype)
+        m = cls(ep, H, I2 // 2, policy, activation).to(device=gate_up_proj.device, dtype=gate_up_proj.dtype)
         with torch.no_grad():
             m.gate_up_proj.copy_(ep.shard(gate_up_proj))
             m.down_proj.copy_(ep.shard(down_proj))
@@ -377,4 +397,4 @@ class ExpertParallelExperts(nn.Module):
             ref = weakref.ref(self)
             record = BackwardRecord(on_fill=lambda r: (m := ref()) is not None and m._on_backward(r))
         return ep_experts(hidden_TH, top_k_index_TK, top_k_weights_TK, self.gate_up_proj, self.down_proj, self.ep,
-                          self.policy, record)
+                          self.policy, record, self.activation)

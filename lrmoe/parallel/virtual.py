@@ -40,8 +40,8 @@ import math
 import numpy as np
 import torch
 
-from ..experts import (acc_dtype, autocast_inputs, autocast_off, buffer_bytes, check_routing_shapes,
-                       expert_backward, row_weights, swiglu)
+from ..experts import (acc_dtype, autocast_inputs, autocast_off, buffer_bytes, check_activation, check_routing_shapes,
+                       expert_backward, gated, row_weights)
 from ..kernels.grouped_gemm import grouped_mm
 from ..kernels.routing import count_by_value, sort_pairs_by_expert, sum_rows_by_token
 from ..planning.plan import Plan
@@ -130,9 +130,10 @@ class VirtualExpertParallel(ExpertParallel):
 class _Call:
     """What one virtual call (one plan) carries from forward to backward."""
 
-    def __init__(self, vep, plan, bounds, layouts, send_pairs, policies, record, plan_seconds):
+    def __init__(self, vep, plan, bounds, layouts, send_pairs, policies, record, plan_seconds, activation):
         self.vep, self.plan, self.bounds, self.layouts = vep, plan, bounds, layouts
         self.send_pairs, self.policies, self.record, self.plan_seconds = send_pairs, policies, record, plan_seconds
+        self.activation = activation
 
 
 def _gemm(a, b_EXY, offs, backend):
@@ -155,7 +156,7 @@ class VirtualEPExperts(torch.autograd.Function):
         offs = torch.cumsum(count_by_value(expert_c, E), 0).to(torch.int32)
         X = hidden_TH.to(gate_up.dtype).index_select(0, rows_pair // K)
         GU = _gemm(X, gate_up.transpose(1, 2), offs, pol.backend)
-        h = swiglu(GU)
+        h = gated(GU, call.activation)
         O = _gemm(h, down.transpose(1, 2), offs, pol.backend)
         O_TKH = O.new_zeros(P, H).index_copy_(0, rows_pair, O).view(T, K, H)  # dropped pairs: 0
         phi_TK = None
@@ -209,7 +210,8 @@ class VirtualEPExperts(torch.autograd.Function):
         ).to(gate_up.dtype)
         if G_k.shape[0]:
             dX, dW_gu, dW_d = expert_backward(G_k, GU.index_select(0, kept_rows), X.index_select(0, kept_rows), offs_k,
-                                              gate_up, down, backend=call.policies[0].backend)
+                                              gate_up, down, backend=call.policies[0].backend,
+                                              activation=call.activation)
         else:
             dX, dW_gu, dW_d = G_k.new_zeros(0, gate_up.shape[2]), torch.zeros_like(gate_up), torch.zeros_like(down)
         grad_hidden = None
@@ -241,12 +243,12 @@ def _demand(idx_TK: torch.Tensor, bounds: list[int], E: int) -> np.ndarray:
                      for r in range(len(bounds) - 1)]).astype(np.int64)
 
 
-def _run(hidden_TH, idx, w_TK, gate_up, down, vep, plan, bounds, policies, record, plan_s):
+def _run(hidden_TH, idx, w_TK, gate_up, down, vep, plan, bounds, policies, record, plan_s, activation):
     E, G = vep.num_experts, vep.world_size
     layouts = [Layout(plan, r, vep.experts_per_rank, False, hidden_TH.device) for r in range(G)]
     send_pairs = [sort_pairs_by_expert(idx[bounds[r]:bounds[r + 1]], E)[0].index_select(0, layouts[r].send_pos)
                   for r in range(G)]
-    call = _Call(vep, plan, bounds, layouts, send_pairs, policies, record, plan_s)
+    call = _Call(vep, plan, bounds, layouts, send_pairs, policies, record, plan_s, activation)
     with autocast_off(hidden_TH.device):
         return VirtualEPExperts.apply(hidden_TH, w_TK, gate_up, down, idx, call)
 
@@ -268,14 +270,17 @@ def _merge(target: BackwardRecord, parts: list[BackwardRecord], tokens: torch.Te
 
 def virtual_ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weights_TK: torch.Tensor,
                        gate_up_proj: torch.Tensor, down_proj: torch.Tensor, vep: VirtualExpertParallel,
-                       policy: BackwardPolicy | None = None, record: BackwardRecord | None = None) -> torch.Tensor:
-    """SwiGLU experts over the tokens of G virtual source ranks (module docstring).
+                       policy: BackwardPolicy | None = None, record: BackwardRecord | None = None,
+                       activation=None) -> torch.Tensor:
+    """Gated experts over the tokens of G virtual source ranks (module docstring); ``activation`` as in
+    :func:`lrmoe.parallel.runtime.ep_experts` (None: SwiGLU).
 
     hidden_TH [T, H]; top_k_index_TK [T, K] expert ids; top_k_weights_TK [T, K]; gate_up_proj
     [E, 2I, H] and down_proj [E, H, I]: the full weights. Returns y_TH [T, H]. ``record`` is filled
     in backward with the sums over the sources (demand, quota, kept per expert), the kept mask and
     scores [T, K], ``plan`` (a list for a split call), ``world_size`` and ``plan_seconds``."""
     policy = check_policy(policy)
+    check_activation(activation)
     T, H = hidden_TH.shape if hidden_TH.dim() == 2 else (None, None)
     if T is None:
         raise ValueError(f"hidden_TH must be [T, H], got shape {tuple(hidden_TH.shape)}")
@@ -303,7 +308,7 @@ def virtual_ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, to
     if plan.num_splits == 1:
         vep.last_plan = plan
         return _run(hidden_TH, idx, top_k_weights_TK, gate_up_proj, down_proj, vep, plan, bounds, policies, record,
-                    plan_s)
+                    plan_s, activation)
 
     # Split: piece j = the j-th of n contiguous pieces of every source's tokens, planned on its own.
     n = plan.num_splits
@@ -329,6 +334,6 @@ def virtual_ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, to
             rec_j = BackwardRecord(on_fill=on_fill)
             parts.append(rec_j)
         outs.append(_run(hidden_TH.index_select(0, tok), i_j, top_k_weights_TK.index_select(0, tok), gate_up_proj,
-                         down_proj, vep, p_j, [int(b) for b in pb], policies, rec_j, piece_s))
+                         down_proj, vep, p_j, [int(b) for b in pb], policies, rec_j, piece_s, activation))
     vep.last_plan = plans
     return torch.cat(outs).index_select(0, torch.argsort(tokens))

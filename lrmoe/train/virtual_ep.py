@@ -47,7 +47,7 @@ def virtual_experts_forward(self: nn.Module, hidden_states, top_k_index, top_k_w
         ref = weakref.ref(self)
         record = BackwardRecord(on_fill=lambda r: (m := ref()) is not None and setattr(m, _hf.RECORD_ATTR, r))
     y = virtual_ep_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
-                           getattr(self, _VEP_ATTR), policy, record)
+                           getattr(self, _VEP_ATTR), policy, record, _hf.activation_of(self))
     return y.to(hidden_states.dtype)
 
 
@@ -63,7 +63,7 @@ def virtualize_experts(model: nn.Module, group: VirtualGroup, placement: str = "
     for m in mods:
         if isinstance(getattr(m, _VEP_ATTR, None), VirtualExpertParallel):
             raise ValueError(f"{type(m).__name__} is already virtual expert parallel")
-        _hf.check_supported(m, any_activation=False)  # SwiGLU, as the runtime
+        _hf.check_supported(m)
         vep = VirtualExpertParallel(int(m.gate_up_proj.shape[0]), group, placement, budget_bytes=budget_bytes,
                                     slots_per_rank=slots_per_rank, fast_domains=fast_domains, **options)
         setattr(m, _VEP_ATTR, vep)

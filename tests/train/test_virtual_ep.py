@@ -48,7 +48,13 @@ LAYER_CASES = [
     ("lrmoe-empty-rank", "lrmoe", {}, [0, 14], 0.2, "lrm", "compact", "hot"),
     ("fixed-one-token", "fixed", {}, [1, 1], 0.5, "lrm", "compact", "uniform"),
     ("fixed-split", "fixed", {}, [10, 7], 0.2, "lrm", "compact", "hot"),
+    ("lrmoe-c30-gelu", "lrmoe", {}, [10, 7], 0.3, "lrm", "compact", "hot"),  # the general activation path
 ]
+
+
+def case_activation(case):
+    """A case named ``...-gelu`` runs its experts with GELU (tanh approximation); the others with SiLU."""
+    return torch.nn.GELU(approximate="tanh") if case[0].endswith("-gelu") else None
 # 2 micro-batches of 4 rows (2 per rank), 64 tokens per row; 3 steps; the whole held-out split at the end
 TRAIN = dict(model="qwen3-moe-tiny", tokenizer="bpe:300", seq_len=64, micro_batch=4, grad_accum=2, steps=3, lr=3e-3,
              warmup_steps=1, heldout_fraction=0.1, eval_batches=None, threads=1)
@@ -128,7 +134,7 @@ def _layer_case_real(case, rank):
     if pol.seed is not None:
         pol = dataclasses.replace(pol, seed=rank_seed(pol.seed, rank))
     _, _, _, gu, dn, _ = make_data(tokens, case[7])
-    mod = ExpertParallelExperts.from_full(gu, dn, ep, pol)
+    mod = ExpertParallelExperts.from_full(gu, dn, ep, pol, activation=case_activation(case))
 
     def run(x, idx, w, dy):
         mod.zero_grad()
@@ -217,7 +223,7 @@ def _layer_case_virtual(case):
         gu.grad = dn.grad = None
         xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
         rec = BackwardRecord()
-        y = virtual_ep_experts(xl, idx, wl, gu, dn, vep, pol, rec)
+        y = virtual_ep_experts(xl, idx, wl, gu, dn, vep, pol, rec, activation=case_activation(case))
         (y * dy).sum().backward()
         return {"y": y.detach(), "gx": xl.grad, "gw": wl.grad, "ggu": gu.grad, "gdn": dn.grad,
                 "kept_mask": rec.kept_mask, "plan": plan_arrays(rec.plan), "record": rec}
