@@ -497,8 +497,10 @@ def prepare(
     max_doc_len: int | None = None,
     out: str | os.PathLike | None = None,
     overwrite: bool = False,
+    progress: bool = True,
 ) -> Path:
-    """Tokenise and pack Alpaca once and save {train, heldout, stats} with `torch.save`.
+    """Tokenise and pack Alpaca once and save {train, heldout, stats} with `torch.save`
+    (``progress``: progress bars while the BPE trains and the records are tokenised).
 
     The default file name in `data/cache/` is derived from all arguments, so a second call with
     the same arguments returns the cached file at once (unless `overwrite`). Load it with
@@ -529,7 +531,7 @@ def prepare(
         return out
     train, heldout, stats = build_alpaca_splits(
         source, tokenizer, seq_len, heldout_fraction, seed, max_records,
-        max_doc_len=max_doc_len, cache_dir=out.parent / "tokenizers", progress=True,
+        max_doc_len=max_doc_len, cache_dir=out.parent / "tokenizers", progress=progress,
     )
     stats["config"] = config
     stats["source_fingerprint"], stats["format"] = fingerprint, PACKED_FORMAT

@@ -155,14 +155,14 @@ def read_run(run: Path):
     return ck, cfg
 
 
-def load_run(run: Path, dtype: torch.dtype = torch.float32):
+def load_run(run: Path, dtype: torch.dtype = torch.float32, progress: bool = True):
     """(trained model, model at initialisation, config, train set) of an `lrmoe train` run folder,
-    in ``dtype``."""
+    in ``dtype`` (``progress``: progress bars if the data must be tokenised first)."""
     from lrmoe import hf
     from lrmoe.train import load_data
 
     ck, cfg = read_run(run)
-    train_set, _, stats = load_data(cfg)
+    train_set, _, stats = load_data(cfg, progress)
     # built in float32 as training builds it, then cast: the same initialisation in either dtype (a
     # float64 build would draw other initial weights from the same seed)
     make = lambda: hf.build_model(cfg.model, seed=cfg.seed, vocab_size=int(stats["vocab_size"]),  # noqa: E731
@@ -341,7 +341,7 @@ def probe_checkpoint(w: dict) -> list[dict]:
     """Every record of one checkpoint (``w["label"]``: trained or init) of the run ``w["run"]``, on the
     run's fixed batches; a process of its own may run it (everything it needs is in ``w``)."""
     torch.set_num_threads(w["threads"])
-    trained, init, _, train_set = load_run(Path(w["run"]), getattr(torch, w["dtype"]))
+    trained, init, _, train_set = load_run(Path(w["run"]), getattr(torch, w["dtype"]), w["progress"])
     batches = fixed_batches(train_set, w["rows"], w["batches"], w["seed"])
     model = trained if w["label"] == "trained" else init
     return probe_model(model, batches, w["drops"], w["scorers"], w["draws"], w["seed"], w["label"], w["progress"])

@@ -175,6 +175,29 @@ def bench_cell(label, trace, cluster, dims, budget_bytes, reference: bool) -> di
     return row
 
 
+def approximate(label: str) -> bool:
+    """Whether the policy runs options the reference does not have (its plans may differ by design)."""
+    return any(k in POLICIES[label][1] for k in REFERENCE_IGNORES)
+
+
+def plan_comparison(rows, steps: int) -> str:
+    """How the live plans compare with the reference's: the exact policies' identical (cell, step)
+    pairs, and for the approximate ones the range of their mean kept pairs and slowest-rank cost
+    relative to the reference's (the quality rule's two numbers)."""
+    exact = [r for r in rows if not approximate(r["policy"])]
+    out = (f"; exact policies: live plans identical to the reference in {sum(r['same_plans'] for r in exact)} of "
+           f"{len(exact) * steps} (cell, step) pairs")
+    approx = [r for r in rows if approximate(r["policy"])]
+    if approx:
+        rel = lambda k: [r[f"live_{k}"] / r[f"ref_{k}"] - 1 for r in approx if r[f"ref_{k}"]]  # noqa: E731
+        kept, cost = rel("kept"), rel("cost")
+        out += (f"; approximate searches ({', '.join(sorted({r['policy'] for r in approx}))}): identical in "
+                f"{sum(r['same_plans'] for r in approx)} of {len(approx) * steps}, mean kept pairs "
+                f"{min(kept):+.2%} to {max(kept):+.2%} and slowest-rank cost {min(cost):+.2%} to {max(cost):+.2%} "
+                f"of the reference's per cell")
+    return out
+
+
 def target_ms(row) -> float:
     if row["ranks"] > 8:
         return 10.0
@@ -331,11 +354,9 @@ def main(argv=None) -> dict:
                "environment": environment(), "elapsed_s": elapsed, "rows": rows, "summary": summary, "notes": notes}
     path = write_json(args.out / "bench_planners_cpu.json", payload)
     table = markdown(rows, args.reference)
-    same = sum(r.get("same_plans", 0) for r in rows)
     header = (f"# `lrmoe bench planners {' '.join(argv if argv is not None else sys.argv[1:])}` "
               f"(revision {payload['environment']['git']}, {payload['environment']['cpu_model']}; see docs/benchmarks.md)\n\n"
-              f"{summary}" + (f"; live plans identical to the reference in {same} of "
-                              f"{len(rows) * args.steps} (cell, step) pairs" if args.reference else "") + "\n\n")
+              f"{summary}" + (plan_comparison(rows, args.steps) if args.reference else "") + "\n\n")
     write_text(args.out / "bench_planners_cpu.md", header + summary_tables(rows, args.reference) + "\n" + table + "\n")
     print(table)
     print(summary)

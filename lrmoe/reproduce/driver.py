@@ -122,7 +122,7 @@ def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_r
     t0, at_start = time.perf_counter(), machine()
     if pending and not under_torchrun:  # tokenise and pack once; bad data is said before anything is written
         try:
-            pool.prepare_data(pending)
+            pool.prepare_data(pending, progress and main)
         except (ValueError, OSError) as e:
             print(f"{p.prog}: the runs' data cannot be prepared, so nothing was run: {e}", file=sys.stderr)
             return 2

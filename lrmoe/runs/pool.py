@@ -76,8 +76,9 @@ def _pool_train(spec: dict, out_dir: str) -> dict:
         raise
 
 
-def prepare_data(runs: list[RunSpec]) -> None:
-    """Tokenise and pack each distinct data config once, before any worker starts."""
+def prepare_data(runs: list[RunSpec], progress: bool = True) -> None:
+    """Tokenise and pack each distinct data config once, before any worker starts (``progress``: its
+    progress bars)."""
     from lrmoe.train import load_data
 
     seen = set()
@@ -86,7 +87,7 @@ def prepare_data(runs: list[RunSpec]) -> None:
         key = (c.data, c.tokenizer, c.seq_len, c.heldout_fraction, c.data_seed, c.max_records)
         if key not in seen:
             seen.add(key)
-            load_data(c)
+            load_data(c, progress)
 
 
 def run_all(runs: list[RunSpec], out, jobs: int = 1, *, progress: bool = True, main: bool = True,
@@ -102,7 +103,7 @@ def run_all(runs: list[RunSpec], out, jobs: int = 1, *, progress: bool = True, m
         return outcome
     group = _init_group(runs) if under_torchrun else None  # one group for all runs of this process
     if prepare and not under_torchrun:
-        prepare_data(runs)  # (under torchrun, train prepares the data on one rank per node first)
+        prepare_data(runs, progress and main)  # (under torchrun, train prepares the data on one rank per node first)
     from tqdm import tqdm
 
     bar = tqdm(total=len(runs) + done, initial=done, desc=desc, unit="run", disable=not (progress and main),

@@ -127,13 +127,13 @@ class DistributedRunner:
         return dataclasses.replace(policy, seed=rank_seed(policy.seed, self.rank))
 
     # ------------------------------------------------------------------ data and model
-    def load_data(self, cfg):
+    def load_data(self, cfg, progress: bool = True):
         """The prepared data; one rank per node tokenises/packs it (and trains the BPE) first."""
         first = self.env.local_rank == 0
         if first:
-            out = load_data(cfg)
+            out = load_data(cfg, progress)
         host_barrier()  # tokenising may outlast the collective timeout
-        return out if first else load_data(cfg)
+        return out if first else load_data(cfg, False)
 
     def build_model(self, make, policy):
         """``make()`` the full model, shard its experts over the EP group (ep > 1), move it to the

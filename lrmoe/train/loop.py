@@ -236,7 +236,7 @@ class Trainer:
         self.metrics = MetricsLog(out / METRICS, say=self.say) if self.main else None
         self.wall0 = time.perf_counter()
 
-        self.train_set, self.heldout, self.data_stats = runner.load_data(cfg)
+        self.train_set, self.heldout, self.data_stats = runner.load_data(cfg, progress)
         if "source_fingerprint" not in self.data_stats:  # a file prepared before fingerprints were stored
             from ..data import source_fingerprint
 

@@ -13,11 +13,13 @@ from . import checkpoint
 from .config import TrainConfig, resolve_device
 
 
-def load_data(cfg: TrainConfig):
-    """(train, heldout, stats) for ``cfg``, tokenised and packed once and cached under data/cache."""
+def load_data(cfg: TrainConfig, progress: bool = True):
+    """(train, heldout, stats) for ``cfg``, tokenised and packed once and cached under data/cache
+    (``progress``: progress bars when it is tokenised now)."""
     from ..data import load_prepared, prepare
 
-    path = prepare(cfg.data, cfg.tokenizer, cfg.seq_len, cfg.heldout_fraction, cfg.data_seed, cfg.max_records)
+    path = prepare(cfg.data, cfg.tokenizer, cfg.seq_len, cfg.heldout_fraction, cfg.data_seed, cfg.max_records,
+                   progress=progress)
     return load_prepared(path)
 
 
@@ -35,8 +37,8 @@ class LocalRunner:
         self.device = resolve_device(cfg.device)
 
     @staticmethod
-    def load_data(cfg):
-        return load_data(cfg)
+    def load_data(cfg, progress: bool = True):
+        return load_data(cfg, progress)
 
     @staticmethod
     def policy_for_rank(policy):

@@ -317,6 +317,14 @@ def test_prepare_caches_and_loads(tmp_path, shared, monkeypatch):
                "--seed", "3", "--max-records", "40"])  # same arguments: same cached file, no rebuild
 
 
+def test_prepare_shows_progress_bars_only_when_asked(tmp_path, shared, capfd):
+    """``progress=False`` (a probe or a pool run with --no-progress) tokenises silently."""
+    data.prepare(TINY, "bpe:300", seq_len=64, heldout_fraction=0.1, seed=3, max_records=40, progress=False)
+    assert "tokenise" not in capfd.readouterr().err
+    data.prepare(TINY, "bpe:300", seq_len=64, heldout_fraction=0.1, seed=4, max_records=40, progress=True)
+    assert "tokenise train" in capfd.readouterr().err
+
+
 def test_prepare_cache_follows_the_file_content(tmp_path, shared):
     """A data file edited (or replaced) at the same path gets a new cache file, not the stale one."""
     src = tmp_path / "alpaca.json"
