@@ -165,7 +165,7 @@ def folder(tmp_path, monkeypatch):
         return Outcome()
 
     monkeypatch.setattr(driver, "run_all", fake_run_all)
-    monkeypatch.setattr(pool, "prepare_data", lambda runs: None)
+    monkeypatch.setattr(pool, "prepare_data", lambda runs, progress=True: None)
     return out, trained
 
 
@@ -266,7 +266,7 @@ def test_a_run_that_fails_before_its_first_step_leaves_no_folder(tmp_path, monke
     from lrmoe.reproduce import reproduce
 
     monkeypatch.setenv("LRMOE_ALPACA", str(tmp_path / "alpaca.json"))
-    monkeypatch.setattr(pool, "prepare_data", lambda runs: None)
+    monkeypatch.setattr(pool, "prepare_data", lambda runs, progress=True: None)
 
     def failing(spec, out_dir, progress):
         from pathlib import Path

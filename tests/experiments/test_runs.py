@@ -83,7 +83,7 @@ def test_serial_pool_reports_a_failed_run_and_goes_on(tmp_path, monkeypatch):
         return {"name": spec["name"], "status": "done", "final": {"loss": 0.5}, "wall_s": 0.0}
 
     monkeypatch.setattr(pool, "train_one", fake_train_one)
-    monkeypatch.setattr(pool, "prepare_data", lambda runs: None)
+    monkeypatch.setattr(pool, "prepare_data", lambda runs, progress=True: None)
     res = run_all([_spec("bad"), _spec("good")], tmp_path, jobs=1, progress=False)
     assert trained == ["bad", "good"] and not res.interrupted
     assert res.failures == [("bad", "ValueError('the data cannot be read')")]
@@ -99,13 +99,13 @@ def test_serial_pool_stops_at_an_interrupt_and_starts_no_other_run(tmp_path, mon
         return {"name": spec["name"], "status": "done", "final": {}, "wall_s": 0.0}
 
     monkeypatch.setattr(pool, "train_one", fake_train_one)
-    monkeypatch.setattr(pool, "prepare_data", lambda runs: None)
+    monkeypatch.setattr(pool, "prepare_data", lambda runs, progress=True: None)
     res = run_all([_spec("first"), _spec("second"), _spec("third")], tmp_path, jobs=1, progress=False)
     assert res.interrupted and res.failures == [] and trained == ["first", "second"]
 
 
 def test_no_runs_is_a_no_op(tmp_path, monkeypatch):
-    monkeypatch.setattr(pool, "prepare_data", lambda runs: pytest.fail("nothing to prepare"))
+    monkeypatch.setattr(pool, "prepare_data", lambda runs, progress=True: pytest.fail("nothing to prepare"))
     res = run_all([], tmp_path, jobs=2, progress=False)
     assert (res.failures, res.interrupted) == ([], False)
     assert not any(tmp_path.iterdir())
