@@ -158,6 +158,21 @@ def swiglu_backward(gu: torch.Tensor, dh: torch.Tensor) -> tuple[torch.Tensor, t
     return silu.mul_(up), dgu
 
 
+def experts_activation(act):
+    """The ``activation`` argument of :func:`lrmoe.experts.lrmoe_experts` for an activation module or
+    function: None (the fused SwiGLU path) for None, ``F.silu`` and ``nn.SiLU``; any other callable
+    as it is (the general path; it must be elementwise). ValueError for a non-callable, or for a
+    module with parameters (the experts' backward returns no gradient for them)."""
+    if act is None or act is F.silu or type(act) is torch.nn.SiLU:
+        return None
+    if not callable(act):
+        raise ValueError(f"activation must be an elementwise callable (e.g. nn.GELU()) or None for SiLU, got {act!r}")
+    if isinstance(act, torch.nn.Module) and next(act.parameters(), None) is not None:
+        raise ValueError(f"activation {type(act).__name__} has parameters, which the LRMoE experts would not "
+                         f"train; accepted: activations without parameters")
+    return act
+
+
 def check_activation(activation) -> None:
     """ValueError unless ``activation`` is None (SiLU, fused) or a callable."""
     if activation is not None and not callable(activation):

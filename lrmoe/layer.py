@@ -8,7 +8,7 @@ import weakref
 import torch
 from torch import nn
 
-from .experts import check_hidden, lrmoe_experts
+from .experts import check_hidden, experts_activation, lrmoe_experts
 from .policy import BackwardPolicy, BackwardRecord, check_policy
 from .router import load_balancing_loss, make_router
 
@@ -19,21 +19,6 @@ def check_std(std, name: str) -> None:
                             or std < 0):
         raise ValueError(f"{name} must be a finite number >= 0 (0 initialises to zeros), or None for "
                          f"1/sqrt(fan_in), got {std!r}")
-
-
-def experts_activation(act):
-    """The ``activation`` argument of :func:`lrmoe.experts.lrmoe_experts` for an activation module or
-    function: None (the fused SwiGLU path) for None, ``F.silu`` and ``nn.SiLU``; any other callable
-    as it is (the general path; it must be elementwise). ValueError for a non-callable, or for a
-    module with parameters (the experts' backward returns no gradient for them)."""
-    if act is None or act is nn.functional.silu or type(act) is nn.SiLU:
-        return None
-    if not callable(act):
-        raise ValueError(f"activation must be an elementwise callable (e.g. nn.GELU()) or None for SiLU, got {act!r}")
-    if isinstance(act, nn.Module) and next(act.parameters(), None) is not None:
-        raise ValueError(f"activation {type(act).__name__} has parameters, which the LRMoE experts would not "
-                         f"train; accepted: activations without parameters")
-    return act
 
 
 class LRMoEExperts(nn.Module):

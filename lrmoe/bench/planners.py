@@ -188,13 +188,15 @@ def plan_comparison(rows, steps: int) -> str:
     out = (f"; exact policies: live plans identical to the reference in {sum(r['same_plans'] for r in exact)} of "
            f"{len(exact) * steps} (cell, step) pairs")
     approx = [r for r in rows if approximate(r["policy"])]
+
+    def span(key):
+        rel = [r[f"live_{key}"] / r[f"ref_{key}"] - 1 for r in approx if r[f"ref_{key}"]]
+        return f"{min(rel):+.2%} to {max(rel):+.2%}" if rel else "n/a (the reference's is 0)"
+
     if approx:
-        rel = lambda k: [r[f"live_{k}"] / r[f"ref_{k}"] - 1 for r in approx if r[f"ref_{k}"]]  # noqa: E731
-        kept, cost = rel("kept"), rel("cost")
         out += (f"; approximate searches ({', '.join(sorted({r['policy'] for r in approx}))}): identical in "
-                f"{sum(r['same_plans'] for r in approx)} of {len(approx) * steps}, mean kept pairs "
-                f"{min(kept):+.2%} to {max(kept):+.2%} and slowest-rank cost {min(cost):+.2%} to {max(cost):+.2%} "
-                f"of the reference's per cell")
+                f"{sum(r['same_plans'] for r in approx)} of {len(approx) * steps}, mean kept pairs {span('kept')} "
+                f"and slowest-rank cost {span('cost')} of the reference's per cell")
     return out
 
 

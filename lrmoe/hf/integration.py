@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..experts import lrmoe_experts
-from ..layer import experts_activation
+from ..experts import experts_activation
 from ..policy import BackwardPolicy, BackwardRecord
 
 IMPLEMENTATION = "lrmoe"

@@ -43,6 +43,7 @@ This module holds the layer's settings and planning (:class:`ExpertParallel`), t
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 import weakref
@@ -53,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..experts import autocast_inputs, autocast_off, check_activation, check_routing_shapes
+from ..experts import autocast_inputs, autocast_off, check_routing_shapes, experts_activation
 from ..policy import MODES, BackwardPolicy, BackwardRecord, check_policy
 from ..planning.plan import Cluster, ModelDims, Plan, check_budget
 from ..planning.policies import get_placement
@@ -260,8 +261,9 @@ def ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weig
                policy: BackwardPolicy | None = None, record: BackwardRecord | None = None,
                activation=None) -> torch.Tensor:
     """Expert-parallel gated experts over this rank's tokens (a collective: every rank calls it).
-    ``activation``: as in :func:`lrmoe.experts.lrmoe_experts` (None: SiLU, the fused SwiGLU path; any
-    elementwise callable otherwise, with its exact backward); every rank must pass the same one.
+    ``activation``: as in :class:`lrmoe.layer.LRMoEExperts` (None, ``F.silu`` or ``nn.SiLU()``: the fused
+    SwiGLU path; any elementwise callable without parameters otherwise, with its exact backward;
+    :func:`lrmoe.experts.experts_activation`); every rank must pass the same one.
 
     hidden_TH [T, H] (this rank's tokens; T may be 0); top_k_index_TK [T, K] global expert ids;
     top_k_weights_TK [T, K]; gate_up_proj [E/G, 2I, H] and down_proj [E/G, H, I]: this rank's
@@ -276,7 +278,7 @@ def ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weig
     ``profile``); with ``profile=True`` it is also ``timings["fwd_plan"]``. It is part of the
     forward's time (the planner runs inside the experts function, before the dispatch)."""
     policy = check_policy(policy)
-    check_activation(activation)
+    activation = experts_activation(activation)  # SiLU in any spelling: the fused path
     _check_local_inputs(hidden_TH, top_k_index_TK, top_k_weights_TK, gate_up_proj, down_proj, ep)
     policy = policy.snapshot(hidden_TH.device)  # what this call's forward and backward use
     # under torch.autocast: bf16/fp16 rows and weights, like lrmoe_experts (then autocast off inside)
@@ -338,11 +340,14 @@ def ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weig
 def activation_key(activation) -> str:
     """A name of the activation that is the same in every process (the ranks' header check):
     'silu' for None, a module's repr (its settings, e.g. ``GELU(approximate='tanh')``), a
-    function's qualified name."""
+    ``functools.partial``'s function and arguments, a function's qualified name (so two lambdas,
+    or two local functions of one name, are not told apart)."""
     if activation is None:
         return "silu"
     if isinstance(activation, nn.Module):
         return repr(activation)
+    if isinstance(activation, functools.partial):
+        return f"partial({activation_key(activation.func)}, {activation.args!r}, {sorted(activation.keywords.items())!r})"
     return f"{getattr(activation, '__module__', '')}.{getattr(activation, '__qualname__', type(activation).__name__)}"
 
 
@@ -367,8 +372,7 @@ class ExpertParallelExperts(nn.Module):
     def __init__(self, ep: ExpertParallel, hidden_size: int, intermediate_size: int,
                  policy: BackwardPolicy | None = None, activation=None):
         super().__init__()
-        check_activation(activation)
-        self.activation = activation
+        self.activation = experts_activation(activation)  # None for SiLU in any spelling
         El = ep.experts_per_rank
         self.ep, self.hidden_size, self.intermediate_size = ep, hidden_size, intermediate_size
         self.num_experts = ep.num_experts

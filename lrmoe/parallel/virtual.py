@@ -40,8 +40,8 @@ import math
 import numpy as np
 import torch
 
-from ..experts import (acc_dtype, autocast_inputs, autocast_off, buffer_bytes, check_activation, check_routing_shapes,
-                       expert_backward, gated, row_weights)
+from ..experts import (acc_dtype, autocast_inputs, autocast_off, buffer_bytes, check_routing_shapes, expert_backward,
+                       experts_activation, gated, row_weights)
 from ..kernels.grouped_gemm import grouped_mm
 from ..kernels.routing import count_by_value, sort_pairs_by_expert, sum_rows_by_token
 from ..planning.plan import Plan
@@ -280,7 +280,7 @@ def virtual_ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, to
     in backward with the sums over the sources (demand, quota, kept per expert), the kept mask and
     scores [T, K], ``plan`` (a list for a split call), ``world_size`` and ``plan_seconds``."""
     policy = check_policy(policy)
-    check_activation(activation)
+    activation = experts_activation(activation)  # SiLU in any spelling: the fused path
     T, H = hidden_TH.shape if hidden_TH.dim() == 2 else (None, None)
     if T is None:
         raise ValueError(f"hidden_TH must be [T, H], got shape {tuple(hidden_TH.shape)}")

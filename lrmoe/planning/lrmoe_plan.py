@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import numpy as np
 
@@ -244,7 +245,8 @@ class _QuotaSearch:
         return self.candidate_memo[tau]
 
     def threshold(self) -> int:
-        """The smallest integer threshold the greedy meets (bisection; ``top`` always: no replica needed)."""
+        """The smallest integer threshold the greedy meets (bisection; ``top`` always: no replica needed);
+        with a tolerance, one the greedy meets less than ``slack`` above the bracket's lower end."""
         if self.hi is None:
             lo, hi = self.lo, self.top
             while hi - lo >= self.slack:  # slack 1: until lo == hi
@@ -454,7 +456,7 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
         raise ValueError(f"lrmoe fallback must be 'split' or 'oom' (quotas shrink first), got {fallback!r}")
     if not isinstance(backward_weight, (int, float)) or backward_weight < 0:
         raise ValueError(f"backward_weight must be a number >= 0, got {backward_weight!r}")
-    if isinstance(search_tolerance, bool) or not isinstance(search_tolerance, (int, float)) \
+    if isinstance(search_tolerance, bool) or not isinstance(search_tolerance, numbers.Real) \
             or not 0 <= search_tolerance <= 0.1:
         raise ValueError(f"search_tolerance must be a number in [0, 0.1] (0: exact searches), got {search_tolerance!r}")
     if isinstance(min_rows, bool) or not isinstance(min_rows, (int, np.integer)) or min_rows < 1:

@@ -49,6 +49,7 @@ CASES = {
         ("fixed-c20", "fixed", {}, None, [10, 7], 0.2, "compact", 0, "emulate"),
         ("symi-cf1-drops", "symi", {"capacity_factor": 1.0}, None, [10, 7], 0.0, "compact", 1, "emulate"),
         ("lrmoe-c0-gelu", "lrmoe", {}, None, [10, 7], 0.0, "compact", 0, "sp"),
+        ("lrmoe-c0-split-gelu", "lrmoe", {}, None, [10, 7], 0.0, "compact", 0, "sp"),
         ("lrmoe-c20-gelu", "lrmoe", {}, None, [10, 7], 0.2, "compact", 0, "emulate"),
         ("ultraep-c20-mask-tanh", "ultraep", {"min_tokens": 1}, None, [10, 7], 0.2, "mask", 0, "emulate"),
         ("hf",) + (None,) * 8,
@@ -75,6 +76,11 @@ ACTIVATIONS = {"gelu": torch.nn.GELU(), "tanh": torch.tanh}
 
 def activation_of_case(name):
     return ACTIVATIONS.get(name.rsplit("-", 1)[-1])
+
+
+def is_split(name):
+    """A case whose budget lies between the plan of half its tokens and the whole call's."""
+    return "split" in name.split("-")
 
 
 def make_data(tokens, seed):
@@ -112,7 +118,7 @@ def run_case(case, rank, G, seed):
     lo, hi = bounds(tokens)[rank]
     El = E // G
     budget = float("inf")
-    if name.endswith("split"):  # a budget between the piece of 2 and the whole step: split_microbatch
+    if is_split(name):  # a budget between the piece of 2 and the whole step: split_microbatch
         from lrmoe.planning.policies import plan_placement
 
         ep0 = ExpertParallel(E, None, placement, **options)
@@ -169,7 +175,8 @@ def run_hf_case(rank, G, act="silu"):
     norm = ep_hf.clip_grad_norm_(model, 1e9)
     ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
     recs = hf.backward_records(model)
-    return {"grads": {n: p.grad for n, p in model.named_parameters()},
+    general = [hf.activation_of(m) is not None for m in hf.experts_modules(model)]  # not the fused SiLU path
+    return {"general_path": general, "grads": {n: p.grad for n, p in model.named_parameters()},
             "ref_grads": {n: p.grad for n, p in ref.named_parameters()}, "norm": norm, "ref_norm": ref_norm,
             "same_state": same_state, "records": [r is not None and r.filled for r in recs],
             "replicas": [bool(ep.last_plan.is_replica_N.any()) for ep in eps]}
@@ -206,44 +213,40 @@ def error_worker(rank, G, port, out_dir):
     x, idx, w, gu, dn, dy = make_data([6, 6], 0)
     lo, hi = bounds([6, 6])[rank]
     out = {}
+
+    def outcome(call, exc=ValueError):
+        """'no error', or the exception ``call()`` raised as 'TypeName: message'."""
+        try:
+            call()
+            return "no error"
+        except exc as e:
+            return f"{type(e).__name__}: {e}"
+
+    def layer(placement="fixed", policy=None, activation=None, **options):
+        return ExpertParallelExperts.from_full(gu, dn, ExpertParallel(E, None, placement, **options), policy,
+                                               activation=activation)
+
     # 1. top_k differs between ranks -> ValueError on both (after one all_gather, no hang).
-    m = ExpertParallelExperts.from_full(gu, dn, ExpertParallel(E, None, "fixed"))
     k = 2 if rank == 0 else 1
-    try:
-        m(x[lo:hi], idx[lo:hi, :k], w[lo:hi, :k])
-        out["mismatch"] = "no error"
-    except ValueError as e:
-        out["mismatch"] = f"ValueError: {e}"
+    out["mismatch"] = outcome(lambda: layer()(x[lo:hi], idx[lo:hi, :k], w[lo:hi, :k]))
     # 1b. the backward policy's quota options differ (different plans would follow) -> ValueError.
-    m = ExpertParallelExperts.from_full(gu, dn, ExpertParallel(E, None, "fixed"),
-                                        BackwardPolicy(0.5, quota_kwargs={"min_keep": 2 * rank}))
-    try:
-        m(x[lo:hi], idx[lo:hi], w[lo:hi])
-        out["quota_kwargs"] = "no error"
-    except ValueError as e:
-        out["quota_kwargs"] = f"ValueError: {e}"
+    m = layer(policy=BackwardPolicy(0.5, quota_kwargs={"min_keep": 2 * rank}))
+    out["quota_kwargs"] = outcome(lambda: m(x[lo:hi], idx[lo:hi], w[lo:hi]))
     # 1c. the planner's options differ -> ValueError.
-    m = ExpertParallelExperts.from_full(gu, dn, ExpertParallel(E, None, "ultraep", min_tokens=1 + rank))
-    try:
-        m(x[lo:hi], idx[lo:hi], w[lo:hi])
-        out["planner_options"] = "no error"
-    except ValueError as e:
-        out["planner_options"] = f"ValueError: {e}"
+    m = layer("ultraep", min_tokens=1 + rank)
+    out["planner_options"] = outcome(lambda: m(x[lo:hi], idx[lo:hi], w[lo:hi]))
     # 1d. the activation differs -> ValueError naming both.
-    m = ExpertParallelExperts.from_full(gu, dn, ExpertParallel(E, None, "fixed"),
-                                        activation=None if rank == 0 else torch.nn.GELU(approximate="tanh"))
-    try:
-        m(x[lo:hi], idx[lo:hi], w[lo:hi])
-        out["activation"] = "no error"
-    except ValueError as e:
-        out["activation"] = f"ValueError: {e}"
+    m = layer(activation=None if rank == 0 else torch.nn.GELU(approximate="tanh"))
+    out["activation"] = outcome(lambda: m(x[lo:hi], idx[lo:hi], w[lo:hi]))
+    # 1e. SiLU spelled differently is the same activation (the fused path on both ranks); an
+    # activation with parameters is refused when the module is made.
+    m = layer(activation=torch.nn.SiLU() if rank == 0 else None)
+    m(x[lo:hi], idx[lo:hi], w[lo:hi])
+    out["silu_spellings"] = m.activation
+    out["prelu"] = outcome(lambda: layer(activation=torch.nn.PReLU()))
     # 2. a plan over budget with fallback 'oom' -> EPOutOfMemoryError on both.
-    m = ExpertParallelExperts.from_full(gu, dn, ExpertParallel(E, None, "fixed", budget_bytes=1000, fallback="oom"))
-    try:
-        m(x[lo:hi], idx[lo:hi], w[lo:hi])
-        out["oom"] = "no error"
-    except EPOutOfMemoryError as e:
-        out["oom"] = f"EPOutOfMemoryError: {e}"
+    m = layer(budget_bytes=1000, fallback="oom")
+    out["oom"] = outcome(lambda: m(x[lo:hi], idx[lo:hi], w[lo:hi]), EPOutOfMemoryError)
     # 2b. LRMoE at C0 under memory pressure: nothing is scored, so every row is kept and the plan
     # must not count on shrunken quotas (it used to: fallback shrink_quota, kept > quota, budget exceeded).
     ep_free = ExpertParallel(E, None, "lrmoe")
@@ -262,22 +265,13 @@ def error_worker(rank, G, port, out_dir):
                             plan_s=(m.last_backward.plan_seconds, m.last_backward.timings.get("fwd_plan"),
                                     ep_b.plan_seconds))
     # 2c. expert weights of different dtypes: a ValueError before any collective
-    m = ExpertParallelExperts.from_full(gu, dn, ExpertParallel(E, None, "fixed"))
+    m = layer()
     m.down_proj.data = m.down_proj.data.float()
-    try:
-        m(x[lo:hi], idx[lo:hi], w[lo:hi])
-        out["dtypes"] = "no error"
-    except ValueError as e:
-        out["dtypes"] = f"ValueError: {e}"
+    out["dtypes"] = outcome(lambda: m(x[lo:hi], idx[lo:hi], w[lo:hi]))
     # 2d. bad settings fail when the layer is made, not at its first call
-    out["settings"] = []
-    for kw in (dict(budget_bytes=-1), dict(budget_bytes=float("nan")), dict(grad_bytes=-2),
-               dict(optimizer_bytes_per_param=1.5), dict(fast_domains=((0,), (0, 1))), dict(slots_per_rank=0)):
-        try:
-            ExpertParallel(E, None, "fixed", **kw)
-            out["settings"].append("no error")
-        except ValueError as e:
-            out["settings"].append(f"ValueError: {e}")
+    out["settings"] = [outcome(lambda: ExpertParallel(E, None, "fixed", **kw)) for kw in (
+        dict(budget_bytes=-1), dict(budget_bytes=float("nan")), dict(grad_bytes=-2),
+        dict(optimizer_bytes_per_param=1.5), dict(fast_domains=((0,), (0, 1))), dict(slots_per_rank=0))]
     # 3. rank 1 never calls the layer: rank 0 must get EPCommunicationError from the PG timeout,
     # while rank 1 is still alive (not from rank 1 exiting and closing its connections).
     m = ExpertParallelExperts.from_full(gu, dn, ExpertParallel(E, None, "fixed"))
@@ -439,7 +433,7 @@ def test_ep_layer(results, G, name):
             "this case is meant to exercise replicas"
     if "noreplica" in name:
         assert not plan["replica"].any() and "fwd_weights" not in comm
-    if name.endswith("split"):
+    if is_split(name):
         assert isinstance(plan, list) and len(plan) >= 2
 
 
@@ -448,6 +442,7 @@ def test_transformers_model_with_parallel_experts(results, name):
     """SiLU (the fused path) and GELU (transformers' ``hidden_act="gelu"``: the general path)."""
     G = 2
     ranks = load(results, G, name)
+    assert all(r["general_path"] == [name == "hf-gelu"] * len(r["general_path"]) for r in ranks)
     for r, res in enumerate(ranks):
         assert res["same_state"], "full_state_dict must give back the unsharded weights"
         assert all(res["records"]), "every MoE layer fills its backward record"
@@ -501,7 +496,7 @@ def test_last_forward_bytes_cover_the_whole_call(results, G):
         for r, res in enumerate(load(results, G, case[0])):
             fwd = {k: v for k, v in res["comm"].items() if k.startswith("fwd_")}
             assert res["last_forward_bytes"] == fwd, (case[0], r)
-            if case[0].endswith("split"):  # the case really was split, and every piece sent rows
+            if is_split(case[0]):  # the case really was split, and every piece sent rows
                 assert isinstance(res["plan"], list) and len(res["plan"]) > 1, (case[0], r)
 
 
@@ -535,6 +530,8 @@ def test_failures_raise_not_hang(tmp_path):
         assert "('min_tokens', 1)" in r["planner_options"] and "('min_tokens', 2)" in r["planner_options"]
         assert "fallback 'oom' could not make it fit" in r["oom"]
         assert "activation: rank 0 has silu, rank 1 has GELU(approximate='tanh')" in r["activation"], r["activation"]
+        assert r["silu_spellings"] is None
+        assert "activation PReLU has parameters" in r["prelu"] and "accepted: activations without parameters" in r["prelu"]
         c0 = r["c0_budget"]
         assert "shrink_quota" not in c0["fallbacks"] and c0["quota_is_send"] and c0["kept_is_quota"], c0
         assert c0["fits"] and c0["pieces"] > 1, c0  # the microbatch is split instead
@@ -553,6 +550,18 @@ def test_failures_raise_not_hang(tmp_path):
     assert r0["missing_peer"].startswith("EPCommunicationError"), r0["missing_peer"]
     assert "all_gather (demand)" in r0["missing_peer"] and "rank 0 of 2" in r0["missing_peer"]
     assert r1.get("alive_when_peer_raised") is True  # the timeout raised it, not the peer's exit
+
+
+def test_activation_keys_tell_activations_apart():
+    import functools
+
+    from lrmoe.parallel.runtime import activation_key
+
+    keys = [activation_key(a) for a in (None, torch.nn.GELU(), torch.nn.GELU(approximate="tanh"), torch.tanh,
+                                        functools.partial(torch.nn.functional.gelu, approximate="tanh"),
+                                        functools.partial(torch.nn.functional.gelu, approximate="none"))]
+    assert len(set(keys)) == len(keys), keys
+    assert keys[0] == "silu" and keys[2] == "GELU(approximate='tanh')"
 
 
 def test_needs_initialised_process_group():

@@ -30,3 +30,15 @@ def make_demand(kind, seed, G=4, E=8):
 
 def plan(name, d, budget=math.inf, cluster=CLUSTER, dims=DIMS, **kw):
     return plan_placement(name, d, cluster, dims, budget, **{**OPTIONS[name], **kw})
+
+
+def skewed_demand(rng, G, E, kind):
+    """Log-normal popularity (sigma 1), up to 400 pairs per rank; ``hot``: one expert 30x as popular;
+    ``empty``: about 40 % of the experts never routed; any other kind: as drawn."""
+    pop = rng.lognormal(0, 1, E)
+    if kind == "hot":
+        pop[int(rng.integers(E))] *= 30
+    d = np.stack([rng.multinomial(int(rng.integers(0, 400)), pop / pop.sum()) for _ in range(G)])
+    if kind == "empty":
+        d[:, rng.random(E) < 0.4] = 0
+    return d

@@ -13,6 +13,7 @@ from lrmoe.planning.plan import (largest_remainder, largest_remainder_cols, larg
                                  locality_split_replicas)
 from lrmoe.planning.policies import plan_placement
 from lrmoe.planning.reference import reference_plan
+from planner_cases import skewed_demand
 
 
 def weights(rng, G, N, kind):
@@ -126,16 +127,6 @@ def test_instance_quotas_flat_equals_lists(seed, kind):
             for c, k, k2 in zip(cols_E, want, L._instance_quotas(q_E, rows_E, ranks_E, G, bw, tau)):
                 np.testing.assert_array_equal(got[c], k)
                 np.testing.assert_array_equal(k2, k)
-
-
-def skewed_demand(rng, G, E, kind):
-    pop = rng.lognormal(0, 1, E)
-    if kind == "hot":
-        pop[int(rng.integers(E))] *= 30
-    d = np.stack([rng.multinomial(int(rng.integers(0, 400)), pop / pop.sum()) for _ in range(G)])
-    if kind == "empty":
-        d[:, rng.random(E) < 0.4] = 0
-    return d
 
 
 def small_case(rng, seed, kind):

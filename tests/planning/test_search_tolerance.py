@@ -12,7 +12,9 @@ from lrmoe.planning.policies import plan_placement
 from lrmoe.planning.quota import retained_total
 from lrmoe.planning.reference import reference_plan
 
-from test_planner_speedups import KINDS, skewed_demand
+from planner_cases import skewed_demand
+
+KINDS = ("random", "empty", "hot")
 
 
 def random_case(rng, case):
@@ -26,12 +28,19 @@ def random_case(rng, case):
     return dims, cl, d, float(rng.choice((math.inf, 1.0, 0.9, 0.8))) * max(peak, 1)
 
 
-@pytest.mark.parametrize("bad", [-0.01, 0.2, math.nan, "0.01", True, None])
+@pytest.mark.parametrize("bad", [-0.01, 0.2, math.nan, "0.01", True, None, np.float32(0.5)])
 def test_out_of_range_tolerance_is_refused(bad):
     d = np.full((2, 4), 10, dtype=np.int64)
     with pytest.raises(ValueError, match=r"search_tolerance must be a number in \[0, 0.1\]"):
         plan_placement("lrmoe", d, Cluster(num_ranks=2, slots_per_rank=3), ModelDims(8, 8, 4, 2), 1e12,
                        search_tolerance=bad)
+
+
+def test_numpy_tolerances_are_numbers():
+    d = np.full((2, 4), 10, dtype=np.int64)
+    p = plan_placement("lrmoe", d, Cluster(num_ranks=2, slots_per_rank=3), ModelDims(8, 8, 4, 2), 1e12,
+                       search_tolerance=np.float32(0.01))
+    assert p.info["search_tolerance"] == np.float32(0.01)
 
 
 def test_a_tolerance_below_one_unit_gives_the_reference_plans():

@@ -10,7 +10,7 @@ every placement. This process runs the same with :mod:`lrmoe.parallel.virtual` /
 
 * layer: outputs and every gradient to 1e-10 (float64), kept masks, plans and quotas exactly;
 * training (float32): per step the loss (abs 2e-5), every parameter's gradient after the step's
-  synchronisation and clipping (rtol 1e-3, atol 1e-5 of the gradient's largest entry), the
+  synchronisation and clipping (rtol 1e-3, atol 1e-5 of the gradient's largest entry; 1e-4 for the GELU run), the
   gradient norm (rel 1e-4), the per-expert demand/quota/kept, the ``plans`` summaries and the
   recorded routing trace exactly, and (two runs) the final evaluation loss (abs 2e-5).
 
@@ -49,12 +49,8 @@ LAYER_CASES = [
     ("fixed-one-token", "fixed", {}, [1, 1], 0.5, "lrm", "compact", "uniform"),
     ("fixed-split", "fixed", {}, [10, 7], 0.2, "lrm", "compact", "hot"),
     ("lrmoe-c30-gelu", "lrmoe", {}, [10, 7], 0.3, "lrm", "compact", "hot"),  # the general activation path
+    ("fixed-split-gelu", "fixed", {}, [10, 7], 0.2, "lrm", "compact", "hot"),
 ]
-
-
-def case_activation(case):
-    """A case named ``...-gelu`` runs its experts with GELU (tanh approximation); the others with SiLU."""
-    return torch.nn.GELU(approximate="tanh") if case[0].endswith("-gelu") else None
 # 2 micro-batches of 4 rows (2 per rank), 64 tokens per row; 3 steps; the whole held-out split at the end
 TRAIN = dict(model="qwen3-moe-tiny", tokenizer="bpe:300", seq_len=64, micro_batch=4, grad_accum=2, steps=3, lr=3e-3,
              warmup_steps=1, heldout_fraction=0.1, eval_batches=None, threads=1)
@@ -64,8 +60,21 @@ TRAIN_RUNS = {  # the runs named in EVALUATED also evaluate after their last ste
     "ultraep-c20-random": dict(placement="ultraep", drop_ratio=0.2, scorer="random", ep_options={"min_tokens": 16}),
     "lrmoe-c20": dict(placement="lrmoe", drop_ratio=0.2),
     "lrmoe-c20-split": dict(placement="lrmoe", drop_ratio=0.2, ep_budget_mib=0.7),  # 2 pieces per call
+    "lrmoe-c20-gelu": dict(placement="lrmoe", drop_ratio=0.2, model_overrides={"hidden_act": "gelu"}),
 }
+# gradient atol, relative to the gradient's largest entry (default 1e-5): the float32 differences of
+# the GELU run reach 5.6e-5 of it (the SiLU runs' 0.1-1.7e-5; its losses agree to 1e-6)
+GRAD_ATOL = {"lrmoe-c20-gelu": 1e-4}
 EVALUATED = ("symi-c20", "lrmoe-c20-split")  # evaluation plans too: SYMI drops pairs there
+
+
+def case_activation(case):
+    """A case named ``...-gelu`` runs its experts with GELU (tanh approximation); the others with SiLU."""
+    return torch.nn.GELU(approximate="tanh") if case[0].endswith("-gelu") else None
+
+
+def is_split(name):
+    return "split" in name.split("-")
 
 
 def make_data(tokens, routing, seed=0):
@@ -128,7 +137,7 @@ def _layer_case_real(case, rank):
     name, placement, options, tokens, *_ = case
     off = np.cumsum([0] + tokens)
     lo, hi = int(off[rank]), int(off[rank + 1])
-    budget = split_budget(case) if name.endswith("split") else math.inf
+    budget = split_budget(case) if is_split(name) else math.inf
     ep = ExpertParallel(E, None, placement, budget_bytes=budget, **options)
     pol = layer_policy(case)
     if pol.seed is not None:
@@ -213,7 +222,7 @@ def _layer_case_virtual(case):
     name, placement, options, tokens, *_ = case
     group = VirtualGroup(G)
     group.rows = tokens  # one token per row
-    budget = split_budget(case) if name.endswith("split") else math.inf
+    budget = split_budget(case) if is_split(name) else math.inf
     vep = VirtualExpertParallel(E, group, placement, budget_bytes=budget, **options)
     pol = layer_policy(case)
     _, _, _, gu0, dn0, _ = make_data(tokens, case[7])
@@ -283,7 +292,7 @@ def test_layer_matches_two_ranks(both, case):
     v = virtual["layer"][name]
     if name == "symi-cf1-drops":
         assert any(int(p["dropped"].sum()) > 0 for c in v for p in c["plan"])  # the case has forward drops
-    if name == "fixed-split":
+    if is_split(name):
         assert all(len(c["plan"]) > 1 for c in v)  # split into pieces
     if name == "ultraep-random":
         assert any(p["expert"].size > E for c in v for p in c["plan"])  # replicas
@@ -310,7 +319,7 @@ def test_training_matches_torchrun(both, run):
         for n in ga:
             assert gv[n].shape == ga[n].shape, n
             scale = float(ga[n].abs().max())
-            torch.testing.assert_close(gv[n], ga[n], rtol=1e-3, atol=1e-5 * max(scale, 1e-12),
+            torch.testing.assert_close(gv[n], ga[n], rtol=1e-3, atol=GRAD_ATOL.get(run, 1e-5) * max(scale, 1e-12),
                                        msg=f"{run} step {step} {n}")
             worst = max(worst, _max_rel(gv[n], ga[n]))
         assert "moe_plan_s" in va and va["moe_plan_s"] > 0
