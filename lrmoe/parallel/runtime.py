@@ -57,7 +57,7 @@ from torch import nn
 from ..experts import autocast_inputs, autocast_off, check_routing_shapes, experts_activation
 from ..policy import MODES, BackwardPolicy, BackwardRecord, check_policy
 from ..planning.plan import Cluster, ModelDims, Plan, check_budget
-from ..planning.policies import get_placement
+from ..planning.policies import get_placement, plan_placement
 from ..planning.step import plan_layer
 from .collectives import crc, gather_demand
 from .function import Call, EPExperts
@@ -129,6 +129,10 @@ class ExpertParallel:
         ModelDims(1, 1, num_experts, 1, 1, grad_bytes, optimizer_bytes_per_param)  # validates the byte sizes now
         self.grad_bytes, self.optimizer_bytes_per_param = grad_bytes, optimizer_bytes_per_param
         self.options = dict(options)
+        # The planner's options are checked now, by planning an empty step, not at the first call
+        # (a misspelt or out-of-range option would otherwise surface mid-training).
+        plan_placement(placement, np.zeros((G, num_experts), dtype=np.int64), self.cluster,
+                       ModelDims(1, 1, num_experts, 1, 1, grad_bytes, optimizer_bytes_per_param), math.inf, **self.options)
         self.state: Any = None  # planner state (SYMI: last step's popularity)
         self.last_plan: Plan | list[Plan] | None = None
         self.last_forward_bytes: dict[str, int] = {}

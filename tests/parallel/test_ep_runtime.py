@@ -271,7 +271,8 @@ def error_worker(rank, G, port, out_dir):
     # 2d. bad settings fail when the layer is made, not at its first call
     out["settings"] = [outcome(lambda: ExpertParallel(E, None, "fixed", **kw)) for kw in (
         dict(budget_bytes=-1), dict(budget_bytes=float("nan")), dict(grad_bytes=-2),
-        dict(optimizer_bytes_per_param=1.5), dict(fast_domains=((0,), (0, 1))), dict(slots_per_rank=0))]
+        dict(optimizer_bytes_per_param=1.5), dict(fast_domains=((0,), (0, 1))), dict(slots_per_rank=0),
+        dict(min_tokens=3), dict(capacity_factor=-1.0))]
     # 3. rank 1 never calls the layer: rank 0 must get EPCommunicationError from the PG timeout,
     # while rank 1 is still alive (not from rank 1 exiting and closing its connections).
     m = ExpertParallelExperts.from_full(gu, dn, ExpertParallel(E, None, "fixed"))
@@ -543,7 +544,8 @@ def test_failures_raise_not_hang(tmp_path):
                 "budget_bytes must be a number > 0 (math.inf for no budget), got nan",
                 "ModelDims.grad_bytes must be an integer >= 0, got -2",
                 "ModelDims.optimizer_bytes_per_param must be an integer >= 0, got 1.5",
-                "Cluster.fast_domains must partition ranks 0..1", "slots_per_rank must be an int >= E/G"]
+                "Cluster.fast_domains must partition ranks 0..1", "slots_per_rank must be an int >= E/G",
+                "placement policy 'fixed' got unknown options ['min_tokens']; accepted:", "capacity_factor"]
         assert len(r["settings"]) == len(want)
         for got, w in zip(r["settings"], want):
             assert got.startswith("ValueError: ") and w in got, (got, w)
