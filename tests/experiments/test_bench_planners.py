@@ -39,7 +39,8 @@ def test_quick_run_writes_every_policy_with_the_reference(tmp_path, capsys):
     assert f"exact policies: live plans identical to the reference in {2 * len(exact)} of {2 * len(exact)}" in md
     # at these sizes the approximate searches give the exact plans (the thresholds' slack is one unit, and
     # no kept-pair bisection runs: at 0.3 GiB even the max_drop_ratio floor does not fit, so the call splits)
-    assert "approximate searches (lrmoe_waterfill_tol1e-3): identical in 8 of 8, mean kept pairs +0.00% to +0.00%" in md
+    assert ("approximate searches (lrmoe_waterfill_tol1e-3; their reference is the exact live planner): identical "
+            "in 8 of 8, mean kept pairs +0.00% to +0.00%") in md
     assert "**qwen3-30b-a3b, EP8**" in md and "| policy | 1 GiB | 0.3 GiB |" in md
     for pol in planners.POLICIES:  # one grid row per policy: live (ref) met/routings fallbacks
         row = next(line for line in md.splitlines() if line.startswith(f"| {pol} | ") and "/2 " in line)
@@ -81,3 +82,18 @@ def test_bad_options_exit_2_with_a_message(argv, message, tmp_path, capsys):
 
 def test_the_cli_knows_the_target():
     assert TARGETS["planners"] == "lrmoe.bench.planners"
+
+
+def test_the_approximate_row_is_timed_against_the_exact_live_planner(tmp_path, monkeypatch):
+    calls = []
+    real = planners.plan_placement
+
+    def counting(*a, **k):
+        calls.append(k.get("search_tolerance"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(planners, "plan_placement", counting)
+    d = planners.main(["--steps", "1", "--tokens", "32", "--only", "qwen3.*EP8/80GiB/balanced/lrmoe_waterfill_tol",
+                       "--out", str(tmp_path)])
+    assert [r["policy"] for r in d["rows"]] == ["lrmoe_waterfill_tol1e-3"]
+    assert sorted(calls[-4:], key=str) == [1e-3, 1e-3, None, None]  # the cell: 2 approximate, 2 exact calls
