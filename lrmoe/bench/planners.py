@@ -29,6 +29,7 @@ pressure (a cell is pressured when a fallback was used); EP64 <= 10 ms.
     lrmoe bench planners                       # everything, results/bench/bench_planners_cpu.json
     lrmoe bench planners --only 'qwen3.*EP8' --steps 5
     lrmoe bench planners --quick               # Qwen3, EP8, 80 and 6 GiB, balanced and log-normal
+    lrmoe bench planners --steps 5 --rounds 3  # every cell measured in 3 passes spread over the run
 """
 from __future__ import annotations
 
@@ -140,7 +141,9 @@ def summarise(times: list[float], quals: list[dict], prefix: str) -> dict:
             f"{prefix}_fallback": ",".join(fallbacks), f"{prefix}_samples_ms": [float(x) for x in ms]}
 
 
-def bench_cell(label, trace, cluster, dims, budget_bytes, reference: bool) -> dict:
+def time_cell(label, trace, cluster, dims, budget_bytes, reference: bool) -> dict:
+    """One pass over the cell's trace: the raw timings (s) and plan qualities of both planners and
+    how many steps gave identical plans."""
     name, options = POLICIES[label]
     ref_options = reference_options(options)
     t_live, t_ref, q_live, q_ref = [], [], [], []
@@ -171,12 +174,21 @@ def bench_cell(label, trace, cluster, dims, budget_bytes, reference: bool) -> di
             state_ref = plans["ref"].state
             q_ref.append(quality(plans["ref"]))
             same += same_plan(plans["live"], plans["ref"])
-    row = summarise(t_live, q_live, "live")
+    return {"t_live": t_live, "t_ref": t_ref, "q_live": q_live, "q_ref": q_ref, "same": same}
+
+
+def cell_row(passes: list[dict], reference: bool) -> dict:
+    """A cell's row from its passes (one per round): the timings of every pass pooled, the plan
+    quality and identical-plan count of the first (the plans are deterministic: every pass plans
+    the same trace from the same state)."""
+    first = passes[0]
+    row = summarise([t for p in passes for t in p["t_live"]], first["q_live"], "live")
     if reference:
-        row.update(summarise(t_ref, q_ref, "ref"))
+        row.update(summarise([t for p in passes for t in p["t_ref"]], first["q_ref"], "ref"))
         row["speedup"] = row["ref_median_ms"] / row["live_median_ms"]
-        row["same_plans"] = same
+        row["same_plans"] = first["same"]
     return row
+
 
 
 def approximate(label: str) -> bool:
@@ -279,12 +291,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokens", type=int, default=32768, help="tokens per rank (default 32768; top-k pairs each)")
     ap.add_argument("--budgets", default=",".join(f"{b:g}" for b in BUDGETS_GIB),
                     help="per-GPU layer budgets in GiB, comma-separated (default 80,12,6)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="passes over all cells (default 1); a cell's samples are pooled over the rounds, which are "
+                         "spread over the whole run, so a slow spell of the machine touches every cell a little "
+                         "instead of a few cells much")
     ap.add_argument("--no-reference", dest="reference", action="store_false", help="time the live planners only")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("results/bench"), help="output folder for bench_planners_cpu.json")
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error(f"--steps must be >= 1, got {args.steps}")
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.tokens < 1:
         ap.error(f"--tokens must be >= 1, got {args.tokens}")
     try:
@@ -314,26 +332,32 @@ def main(argv=None) -> dict:
         plan_placement(name, d, small, ModelDims(8, 8, 4, 2), 1e12, **options)
         reference_plan(name, d, small, ModelDims(8, 8, 4, 2), 1e12, **reference_options(options))
 
-    rows, traces = [], {}
+    rows, traces, passes = [], {}, {c: [] for c in cells}
     t_start = time.perf_counter()
-    for m, ep, b, rt, pol in cells:
-        dims = dims_of(m)
-        cluster = cluster_of(ep, dims.num_experts)
-        key = (m, ep, rt)
-        if key not in traces:
-            seed = args.seed * 1000 + 100 * list(MODELS).index(m) + 10 * list(EP_SIZES).index(ep) + ROUTINGS.index(rt)
-            traces[key] = drifting_trace(rt, dims.num_experts, cluster.num_ranks, args.tokens * dims.top_k,
-                                         args.steps, seed)
-        cell = f"{m}/{ep}/{b:g}GiB/{rt}"
-        print(f"{cell}/{pol} ...", end=" ", flush=True, file=sys.stderr)
-        row = {"cell": cell, "model": m, "ep": ep, "ranks": cluster.num_ranks, "budget_gib": b, "routing": rt,
-               "policy": pol, **bench_cell(pol, traces[key], cluster, dims, b * GIB, args.reference)}
+    for rnd in range(args.rounds):
+        for m, ep, b, rt, pol in cells:
+            dims = dims_of(m)
+            cluster = cluster_of(ep, dims.num_experts)
+            key = (m, ep, rt)
+            if key not in traces:
+                seed = (args.seed * 1000 + 100 * list(MODELS).index(m) + 10 * list(EP_SIZES).index(ep)
+                        + ROUTINGS.index(rt))
+                traces[key] = drifting_trace(rt, dims.num_experts, cluster.num_ranks, args.tokens * dims.top_k,
+                                             args.steps, seed)
+            name = f"{m}/{ep}/{b:g}GiB/{rt}/{pol}" + (f" (round {rnd + 1}/{args.rounds})" if args.rounds > 1 else "")
+            print(f"{name} ...", end=" ", flush=True, file=sys.stderr)
+            p = time_cell(pol, traces[key], cluster, dims, b * GIB, args.reference)
+            passes[(m, ep, b, rt, pol)].append(p)
+            print(f"{statistics.median(p['t_live']) * 1e3:.2f} ms"
+                  + (f" (ref {statistics.median(p['t_ref']) * 1e3:.2f} ms)" if args.reference else ""),
+                  file=sys.stderr, flush=True)
+    for (m, ep, b, rt, pol), ps in passes.items():
+        row = {"cell": f"{m}/{ep}/{b:g}GiB/{rt}", "model": m, "ep": ep, "ranks": cluster_of(ep, MODELS[m][2]).num_ranks,
+               "budget_gib": b, "routing": rt, "policy": pol, **cell_row(ps, args.reference)}
         row["pressured"] = row["live_fallback"] != "none" or (args.reference and row["ref_fallback"] != "none")
         row["target_ms"] = target_ms(row)
         row["target_met"] = row["live_median_ms"] <= row["target_ms"]
         row["target"] = f"{'met' if row['target_met'] else 'MISSED'} (<= {row['target_ms']:g})"
-        print(f"{row['live_median_ms']:.2f} ms" + (f" (ref {row['ref_median_ms']:.2f} ms)" if args.reference else ""),
-              file=sys.stderr, flush=True)
         rows.append(row)
     elapsed = time.perf_counter() - t_start
 
@@ -350,7 +374,8 @@ def main(argv=None) -> dict:
     met = sum(r["target_met"] for r in rows)
     summary = f"targets met in {met} of {len(rows)} cells ({elapsed:.0f} s of planning)"
     payload = {"benchmark": "planners",
-               "options": {"steps": args.steps, "quick": args.quick, "only": args.only, "tokens_per_rank": args.tokens,
+               "options": {"steps": args.steps, "rounds": args.rounds, "quick": args.quick, "only": args.only,
+                           "tokens_per_rank": args.tokens,
                            "budgets_gib": budgets, "reference": args.reference, "seed": args.seed},
                "scenarios": {"models": {m: dict(zip(("hidden", "intermediate", "num_experts", "top_k"), MODELS[m]))
                                         for m in models},

@@ -97,3 +97,19 @@ def test_the_approximate_row_is_timed_against_the_exact_live_planner(tmp_path, m
                        "--out", str(tmp_path)])
     assert [r["policy"] for r in d["rows"]] == ["lrmoe_waterfill_tol1e-3"]
     assert sorted(calls[-4:], key=str) == [1e-3, 1e-3, None, None]  # the cell: 2 approximate, 2 exact calls
+
+
+def test_rounds_pool_every_pass_of_a_cell(tmp_path, capsys):
+    d = planners.main(["--steps", "2", "--rounds", "3", "--tokens", "32",
+                       "--only", "qwen3.*EP8/80GiB/balanced/(fixed|symi)$", "--out", str(tmp_path)])
+    assert d["options"]["rounds"] == 3 and [r["policy"] for r in d["rows"]] == ["fixed", "symi"]
+    for r in d["rows"]:
+        assert len(r["live_samples_ms"]) == len(r["ref_samples_ms"]) == 3 * 2 * 2  # rounds x steps x two calls
+        assert r["same_plans"] == 2  # counted once (the first pass): of steps, not of rounds x steps
+    err = capsys.readouterr().err
+    assert err.index("fixed (round 1/3)") < err.index("symi (round 1/3)") < err.index("fixed (round 2/3)")
+
+
+def test_rounds_must_be_positive(tmp_path):
+    with pytest.raises(SystemExit):
+        planners.main(["--rounds", "0", "--out", str(tmp_path)])
