@@ -23,9 +23,9 @@ from paper_figures.figures import pyplot, save_figure
 from paper_figures.results import FAMILY_NAMES, Run, paper_numbers
 from paper_figures.tables import SCORER_NAMES, md_table, write_table
 
+from ..stats import BOOTSTRAP_MIN, CONFIDENCE, estimate
 from .grid import Grid
 from .metrics import get_metric
-from lrmoe.stats import BOOTSTRAP_MIN, CONFIDENCE, estimate
 
 NOT_RUN = "not run"
 

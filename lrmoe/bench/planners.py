@@ -62,7 +62,7 @@ POLICIES = {  # label: (policy, options)
     "ultraep_greedy": ("ultraep_greedy", {}),
     "lrmoe_waterfill": ("lrmoe", {"drop_ratio": 0.2, "quota_policy": "waterfill"}),
     "lrmoe_proportional": ("lrmoe", {"drop_ratio": 0.2, "quota_policy": "proportional"}),
-    # the approximate searches (lrmoe.planning.lrmoe_plan, search_tolerance), against the exact reference
+    # the approximate searches (lrmoe.planning.lrmoe_plan, search_tolerance), against the exact live planner
     "lrmoe_waterfill_tol1e-3": ("lrmoe", {"drop_ratio": 0.2, "quota_policy": "waterfill", "search_tolerance": 1e-3}),
 }
 REFERENCE_IGNORES = ("search_tolerance",)  # options the reference does not have: it plans exactly
@@ -146,6 +146,8 @@ def time_cell(label, trace, cluster, dims, budget_bytes, reference: bool) -> dic
     how many steps gave identical plans."""
     name, options = POLICIES[label]
     ref_options = reference_options(options)
+    # an approximate policy is timed against the exact live planner (whose plans are the frozen reference's)
+    ref_planner = plan_placement if approximate(label) else reference_plan
     t_live, t_ref, q_live, q_ref = [], [], [], []
     state_live = state_ref = None
     same = 0
@@ -154,9 +156,7 @@ def time_cell(label, trace, cluster, dims, budget_bytes, reference: bool) -> dic
             return plan_placement(name, d, cluster, dims, budget_bytes, state=state_live, **options)
 
         def ref():
-            if approximate(label):  # against the exact live planner (whose plans are the frozen reference's)
-                return plan_placement(name, d, cluster, dims, budget_bytes, state=state_ref, **ref_options)
-            return reference_plan(name, d, cluster, dims, budget_bytes, state=state_ref, **ref_options)
+            return ref_planner(name, d, cluster, dims, budget_bytes, state=state_ref, **ref_options)
 
         # ABBA (BAAB on odd steps): whichever runs first on a new demand is not always the same one
         order = [("live", live), ("ref", ref)] if reference else [("live", live)]
@@ -188,7 +188,6 @@ def cell_row(passes: list[dict], reference: bool) -> dict:
         row["speedup"] = row["ref_median_ms"] / row["live_median_ms"]
         row["same_plans"] = first["same"]
     return row
-
 
 
 def approximate(label: str) -> bool:
@@ -352,8 +351,8 @@ def main(argv=None) -> dict:
                   + (f" (ref {statistics.median(p['t_ref']) * 1e3:.2f} ms)" if args.reference else ""),
                   file=sys.stderr, flush=True)
     for (m, ep, b, rt, pol), ps in passes.items():
-        row = {"cell": f"{m}/{ep}/{b:g}GiB/{rt}", "model": m, "ep": ep, "ranks": cluster_of(ep, MODELS[m][2]).num_ranks,
-               "budget_gib": b, "routing": rt, "policy": pol, **cell_row(ps, args.reference)}
+        row = {"cell": f"{m}/{ep}/{b:g}GiB/{rt}", "model": m, "ep": ep, "ranks": EP_SIZES[ep][0], "budget_gib": b,
+               "routing": rt, "policy": pol, **cell_row(ps, args.reference)}
         row["pressured"] = row["live_fallback"] != "none" or (args.reference and row["ref_fallback"] != "none")
         row["target_ms"] = target_ms(row)
         row["target_met"] = row["live_median_ms"] <= row["target_ms"]

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..experts import lrmoe_experts
-from ..experts import experts_activation
+from ..experts import experts_activation, lrmoe_experts
 from ..policy import BackwardPolicy, BackwardRecord
 
 IMPLEMENTATION = "lrmoe"

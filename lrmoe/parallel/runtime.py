@@ -126,13 +126,13 @@ class ExpertParallel:
             raise ValueError(f"slots_per_rank must be an int >= E/G = {self.experts_per_rank}, got {slots_per_rank!r}")
         self.cluster = Cluster(G, S, fast_domains)
         self.budget_bytes = check_budget(budget_bytes)
-        ModelDims(1, 1, num_experts, 1, 1, grad_bytes, optimizer_bytes_per_param)  # validates the byte sizes now
+        probe_dims = ModelDims(1, 1, num_experts, 1, 1, grad_bytes, optimizer_bytes_per_param)  # validates the sizes
         self.grad_bytes, self.optimizer_bytes_per_param = grad_bytes, optimizer_bytes_per_param
         self.options = dict(options)
         # The planner's options are checked now, by planning an empty step, not at the first call
         # (a misspelt or out-of-range option would otherwise surface mid-training).
-        plan_placement(placement, np.zeros((G, num_experts), dtype=np.int64), self.cluster,
-                       ModelDims(1, 1, num_experts, 1, 1, grad_bytes, optimizer_bytes_per_param), math.inf, **self.options)
+        plan_placement(placement, np.zeros((G, num_experts), dtype=np.int64), self.cluster, probe_dims, math.inf,
+                       **self.options)
         self.state: Any = None  # planner state (SYMI: last step's popularity)
         self.last_plan: Plan | list[Plan] | None = None
         self.last_forward_bytes: dict[str, int] = {}
@@ -288,17 +288,18 @@ def ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weig
     # under torch.autocast: bf16/fp16 rows and weights, like lrmoe_experts (then autocast off inside)
     hidden_TH, gate_up_proj, down_proj = autocast_inputs(hidden_TH, gate_up_proj, down_proj)
     idx = top_k_index_TK.to(torch.int64)
+    act_key = activation_key(activation)
     T, K = idx.shape
     E, H, I = ep.num_experts, hidden_TH.shape[1], gate_up_proj.shape[1] // 2
     header = [E, H, I, K, ep.experts_per_rank, crc(str(gate_up_proj.dtype)), crc(ep.placement), MODES.index(policy.mode),
               round(policy.drop_ratio * 1e9), crc(policy.scorer), crc(policy.quota), ep.cluster.slots_per_rank,
               crc(repr((sorted(policy.quota_kwargs.items()), sorted(policy.scorer_kwargs.items()), policy.phi,
                         policy.selection))),
-              crc(ep.planner_signature()), crc(activation_key(activation))]
+              crc(ep.planner_signature()), crc(act_key)]
     readable = [E, H, I, K, ep.experts_per_rank, gate_up_proj.dtype, ep.placement, policy.mode, policy.drop_ratio,
                 policy.scorer, policy.quota, ep.cluster.slots_per_rank,
                 (sorted(policy.quota_kwargs.items()), sorted(policy.scorer_kwargs.items()), policy.phi, policy.selection),
-                ep.planner_signature(), activation_key(activation)]
+                ep.planner_signature(), act_key]
     demand_GE = gather_demand(ep, torch.bincount(idx.reshape(-1), minlength=E), header, readable)
     dims = ep.dims(H, I, K, gate_up_proj.element_size())
     prev_state = ep.state
@@ -351,7 +352,8 @@ def activation_key(activation) -> str:
     if isinstance(activation, nn.Module):
         return repr(activation)
     if isinstance(activation, functools.partial):
-        return f"partial({activation_key(activation.func)}, {activation.args!r}, {sorted(activation.keywords.items())!r})"
+        kw = sorted(activation.keywords.items())
+        return f"partial({activation_key(activation.func)}, {activation.args!r}, {kw!r})"
     return f"{getattr(activation, '__module__', '')}.{getattr(activation, '__qualname__', type(activation).__name__)}"
 
 

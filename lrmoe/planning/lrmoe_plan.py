@@ -41,12 +41,11 @@ unit: the plans are those of the frozen reference (:mod:`lrmoe.planning.referenc
 ``search_tolerance = t > 0`` each bisection stops once its bracket is narrower than
 ``max(1, floor(t * scale))`` units, the scale being the routed pairs P for the kept-pair search and
 the ranks' mean cost for the threshold searches; the plan returned is the bracket's feasible end
-(it meets its threshold, and under pressure it fits the budget), so it is as valid as an exact one
-but may keep up to about t * P fewer pairs or have a slowest rank up to about t * mean cost
-slower. Whether a plan fits is not monotone in the kept pairs nor in the threshold (the greedy's
-memory pass rounds rows), so the exact bisection's answer is one of several boundaries and an
-approximate search can also land on a better one. docs/benchmarks.md measures what a tolerance
-buys and costs.
+(it meets its threshold, and under pressure it fits the budget), so it is as valid as an exact one.
+Whether a plan fits is not monotone in the kept pairs nor in the threshold (the greedy's memory
+pass rounds rows), so the exact bisection's answer is one of several boundaries and an approximate
+search lands on a neighbouring one: single plans can keep more or fewer pairs, at a lower or
+higher cost, by more than t (docs/benchmarks.md measures what a tolerance buys and costs).
 """
 from __future__ import annotations
 
@@ -75,6 +74,12 @@ def _quota(d_E: np.ndarray, n_keep: int, policy: str, options: dict, drop_ratio:
         return d_E.copy()
     exact = n_keep == retained_total(P, drop_ratio)
     return quota_for(d_E, n_keep, policy, drop_ratio=drop_ratio if exact else None, **options)
+
+
+def _slack(tolerance: float, scale) -> int:
+    """Bracket width (units) at which a bisection over a range of size ``scale`` stops: 1 (exact) for
+    tolerance 0."""
+    return max(1, math.floor(tolerance * scale))
 
 
 def _over_memory_floor(dims: ModelDims, num_ranks: int, pairs: int, kept: int, budget) -> bool:
@@ -229,7 +234,7 @@ class _QuotaSearch:
         self.greedy_memo: dict[int, list | None] = {}
         self.candidate_memo: dict[int, _Candidate | None] = {}
         self.hi: int | None = None
-        self.slack = max(1, math.floor(tolerance * max(self.lo, 1)))  # bracket width at which the searches stop
+        self.slack = _slack(tolerance, self.lo)  # bracket width at which the threshold searches stop
 
     def greedy(self, tau: int):
         if tau not in self.greedy_memo:
@@ -507,7 +512,7 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
         lo_keep = retained_total(P, max_drop_ratio)
         if not fits_keep(lo_keep):
             return None  # quotas alone cannot make it fit: resolve_budget splits or reports oom
-        slack = max(1, math.floor(search_tolerance * P))  # 1: exact
+        slack = _slack(search_tolerance, P)
         while hi_keep - lo_keep > slack:  # lo_keep fits, hi_keep does not
             mid = (lo_keep + hi_keep) // 2
             lo_keep, hi_keep = (mid, hi_keep) if fits_keep(mid) else (lo_keep, mid)

@@ -347,7 +347,8 @@ def _probe(out: Path, spec: dict) -> bool:
         print(f"gradient-fidelity probe: {out}/{SUBDIR}/probe.json is up to date", file=sys.stderr)
         return False
     print(f"gradient-fidelity probe of {spec['run']} into {out}/{SUBDIR}/ (`lrmoe ablate probe "
-          f"{shlex.join(probe_argv(out, spec))}`; {spec.get('cost', 'a few minutes')}) ...", file=sys.stderr, flush=True)
+          f"{shlex.join(probe_argv(out, spec))}`; {spec.get('cost', 'a few minutes')}) ...",
+          file=sys.stderr, flush=True)
     rc, secs = probe_into(out, spec)
     if rc != 0:
         print(f"lrmoe reproduce: the gradient-fidelity probe failed (status {rc})", file=sys.stderr)

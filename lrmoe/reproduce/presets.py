@@ -92,7 +92,8 @@ PRESETS: dict[str, Preset] = {
         cost="measured: about 20-40 s on 2 CPU cores (24 runs)"),
     "cpu": Preset(
         "cpu", "CPU-scale reproduction: qwen3-moe-small / glm4-moe-small (16 experts, top-4) near memorisation "
-               "of a 16-record Alpaca sample (alpaca_en_demo; 14 train / 2 held out), E1 + E2 with 3 seeds; E3: the same "
+               "of a 16-record Alpaca sample (alpaca_en_demo; 14 train / 2 held out), E1 + E2 with 3 seeds; "
+               "E3: the same "
                "families with 128 experts and top-8 on 8 virtual EP ranks, 4 methods x 3 seeds",
         {"qwen3": "qwen3-moe-small", "glm4": "glm4-moe-small"}, _CPU_BASE, "alpaca/alpaca_en_demo.json",
         e2_seeds=(0, 1, 2), jobs=2, hardware="2 CPU cores",

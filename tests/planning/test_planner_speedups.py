@@ -13,7 +13,7 @@ from lrmoe.planning.plan import (largest_remainder, largest_remainder_cols, larg
                                  locality_split_replicas)
 from lrmoe.planning.policies import plan_placement
 from lrmoe.planning.reference import reference_plan
-from planner_cases import skewed_demand
+from planner_cases import DROPLESS, skewed_demand
 
 
 def weights(rng, G, N, kind):
@@ -272,10 +272,8 @@ def test_quota_search_fits_equals_its_plan(seed, kind):
     assert seen == {True, False}  # the budgets cover both answers
 
 
-
 POLICY_CASES = (("fixed", {}), ("symi", {}), ("ultraep", {}), ("ultraep_greedy", {}),
                 ("lrmoe", {"drop_ratio": 0.2}), ("lrmoe", {"drop_ratio": 0.2, "quota_policy": "proportional"}))
-DROPLESS = {"fixed", "ultraep", "ultraep_greedy", "lrmoe"}
 
 
 @pytest.mark.parametrize("chunk", range(10))
