@@ -14,6 +14,7 @@ equally popular, which gives SYMI's static even placement.
 """
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -53,23 +54,37 @@ def symi_slot_counts(popularity_E, total_slots: int) -> np.ndarray:
     # index, which float rounding of goal - floor(goal) would decide instead. With diff scaled by
     # den = sum(pop), goal = num / den and diff = cnt - goal are integers (popularity is counted in
     # pairs; other values are made integers by their exact common denominator).
-    fr = [Fraction(float(p)) for p in pop]
-    scale = math.lcm(*(f.denominator for f in fr))
-    ints = [int(f * scale) for f in fr]
+    if (pop == np.floor(pop)).all():  # counts (the usual case): the integers themselves
+        ints = [int(p) for p in pop.tolist()]
+    else:
+        fr = [Fraction(float(p)) for p in pop]
+        scale = math.lcm(*(f.denominator for f in fr))
+        ints = [int(f * scale) for f in fr]
     den = sum(ints)
-    num = np.array([p * total_slots for p in ints], dtype=object)
-    cnt = np.array([max(int(n) // den, 1) for n in num], dtype=object)
-    diff = cnt * den - num  # den * (cnt - goal), exact Python ints
-    while cnt.sum() > total_slots:
-        above = np.flatnonzero(cnt > 1)
-        i = int(above[np.argmax(diff[above])])  # first maximum: ties to the lower index
-        cnt[i] -= 1
-        diff[i] -= den
-    while cnt.sum() < total_slots:
-        i = int(np.argmin(diff))
-        cnt[i] += 1
-        diff[i] += den
-    return cnt.astype(np.int64)
+    num = [p * total_slots for p in ints]
+    cnt = [max(n // den, 1) for n in num]
+    diff = [c * den - n for c, n in zip(cnt, num)]  # den * (cnt - goal), exact Python ints
+    excess = sum(cnt) - total_slots
+    # Each loop step of the published rule as a heap pop: the largest diff among cnt > 1 (ties to
+    # the lower index) loses a slot, or the smallest diff (ties to the lower index) gains one.
+    if excess > 0:
+        heap = [(-x, i) for i, x in enumerate(diff) if cnt[i] > 1]
+        heapq.heapify(heap)
+        for _ in range(excess):
+            i = heapq.heappop(heap)[1]
+            cnt[i] -= 1
+            diff[i] -= den
+            if cnt[i] > 1:
+                heapq.heappush(heap, (-diff[i], i))
+    elif excess < 0:
+        heap = [(x, i) for i, x in enumerate(diff)]
+        heapq.heapify(heap)
+        for _ in range(-excess):
+            i = heapq.heappop(heap)[1]
+            cnt[i] += 1
+            diff[i] += den
+            heapq.heappush(heap, (diff[i], i))
+    return np.array(cnt, dtype=np.int64)
 
 
 def symi_instances(slot_counts_E, slots_per_rank: int) -> list[Instance]:

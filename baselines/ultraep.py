@@ -19,6 +19,7 @@ import math
 
 import numpy as np
 
+from lrmoe.planning.memory import count_memory
 from lrmoe.planning.plan import (cap_rows, domain_peers, experts_by_load_per_rank, locality_split_replicas, make_plan,
                                  owned_layout, replica_instances, resolve_budget)
 
@@ -193,17 +194,37 @@ def eplb_replicas(load_E, owner_E, free_G, domain_G) -> list[tuple[int, int]]:
     return placed
 
 
-def _replica_plan(policy, demand_GE, cluster, dims, budget_bytes, hosts_E, quotas_E, row_cap, info):
-    """Masters plus replicas on ``hosts_E``; each expert's pairs split locality-first by ``quotas_E``."""
-    instances, cols_E = replica_instances(cluster, dims, hosts_E, policy)
-    rank_N = np.array([i.rank for i in instances], dtype=np.int64)
-    expert_N = np.array([i.expert for i in instances], dtype=np.int64)
-    quota_N = np.concatenate([np.asarray(q, dtype=np.int64) for q in quotas_E] + [np.zeros(0, np.int64)])
-    quota_N = quota_N[np.argsort(np.concatenate([c for c in cols_E] + [[]]).astype(np.int64), kind="stable")]
+def _replica_layout(hosts_E, owner_E):
+    """Per instance column of :func:`lrmoe.planning.plan.replica_instances` (masters, then every
+    expert's replicas on ``hosts_E[e]`` in order): its expert, its rank, whether it is a replica,
+    and its index among its expert's instances (0: the master)."""
+    E = len(owner_E)
+    rep_ex = np.repeat(np.arange(E), [len(h) for h in hosts_E])
+    rep_rank = np.array([t for h in hosts_E for t in h], dtype=np.int64)
+    j_R = 1 + np.arange(rep_ex.size) - np.searchsorted(rep_ex, rep_ex)
+    return (np.r_[np.arange(E), rep_ex], np.r_[owner_E, rep_rank], np.arange(E + rep_ex.size) >= E,
+            np.r_[np.zeros(E, np.int64), j_R])
+
+
+def _replica_plan(policy, demand_GE, cluster, dims, budget_bytes, hosts_E, expert_N, rank_N, quota_N, row_cap, info):
+    """Masters plus replicas on ``hosts_E`` (columns as :func:`_replica_layout`): each expert's
+    pairs split locality-first by the instance quotas ``quota_N``, capped at ``row_cap`` rows per
+    instance when given."""
+    instances, _ = replica_instances(cluster, dims, hosts_E, policy)
     send = locality_split_replicas(demand_GE, expert_N, rank_N, quota_N)
     if row_cap is not None:
         send = cap_rows(send, row_cap)
     return make_plan(policy, demand_GE, cluster, dims, budget_bytes, instances, send, info=info)
+
+
+def _layout_fits(demand_GE, dims, budget_bytes, rank_N, is_replica_N, quota_N) -> bool:
+    """Whether the uncapped :func:`_replica_plan` of these instance quotas fits the budget, without
+    the split: every instance receives its quota, every routed pair is sent and kept (the same
+    integers as the plan's memory, :func:`lrmoe.planning.memory.count_memory`)."""
+    pairs_G = demand_GE.sum(1)
+    mem = count_memory(dims, len(pairs_G), rank_N, is_replica_N, recv_N=quota_N, kept_recv_N=quota_N, sent_G=pairs_G,
+                       kept_sent_G=pairs_G, pairs_G=pairs_G)
+    return mem.peak <= budget_bytes
 
 
 def _check_common(cluster, dims, policy, redundant_slots):
@@ -227,19 +248,30 @@ def plan_ultraep(demand_GE, cluster, dims, budget_bytes, *, state=None, min_toke
     free_G, owner_E = _check_common(cluster, dims, "ultraep", redundant_slots)
     domain_G = cluster.domain_G
 
-    def build(d_GE, row_cap):
+    def layout(d_GE):
         load_E = d_GE.sum(0)
         tau, replicas = ultraep_threshold(load_E, owner_E, free_G, domain_G, min_tokens, fast_path, overshoot)
         hosts_E = [[] for _ in load_E]
-        quotas_E = [[int(d)] for d in load_E]
-        for e, t, q in replicas:
+        for e, t, _ in replicas:
             hosts_E[e].append(t)
-            quotas_E[e].append(q)
-            quotas_E[e][0] -= q
-        return _replica_plan("ultraep", d_GE, cluster, dims, budget_bytes, hosts_E, quotas_E, row_cap,
+        expert_N, rank_N, rep_N, _ = _replica_layout(hosts_E, owner_E)
+        rep = np.array(replicas, dtype=np.int64).reshape(-1, 3)
+        rep = rep[np.argsort(rep[:, 0], kind="stable")]  # the replica columns' order
+        master_E = load_E - np.bincount(rep[:, 0], weights=rep[:, 2], minlength=load_E.size).astype(np.int64)
+        return tau, hosts_E, expert_N, rank_N, rep_N, np.r_[master_E, rep[:, 2]]
+
+    def build(d_GE, row_cap):
+        tau, hosts_E, expert_N, rank_N, _, quota_N = layout(d_GE)
+        return _replica_plan("ultraep", d_GE, cluster, dims, budget_bytes, hosts_E, expert_N, rank_N, quota_N, row_cap,
                              {"threshold": tau, "min_tokens": min_tokens})
 
-    return resolve_budget(build, demand_GE, budget_bytes, fallback, max_split)
+    def fits(d_GE, row_cap):
+        if row_cap is not None:
+            return build(d_GE, row_cap).fits
+        _, _, _, rank_N, rep_N, quota_N = layout(d_GE)
+        return _layout_fits(d_GE, dims, budget_bytes, rank_N, rep_N, quota_N)
+
+    return resolve_budget(build, demand_GE, budget_bytes, fallback, max_split, fits=fits)
 
 
 def plan_ultraep_greedy(demand_GE, cluster, dims, budget_bytes, *, state=None, redundant_slots: int | None = None,
@@ -248,15 +280,25 @@ def plan_ultraep_greedy(demand_GE, cluster, dims, budget_bytes, *, state=None, r
     free_G, owner_E = _check_common(cluster, dims, "ultraep_greedy", redundant_slots)
     domain_G = cluster.domain_G
 
-    def build(d_GE, row_cap):
+    def layout(d_GE):
         load_E = d_GE.sum(0)
         hosts_E = [[] for _ in load_E]
         for e, t in eplb_replicas(load_E, owner_E, free_G, domain_G):
             hosts_E[e].append(t)
+        expert_N, rank_N, rep_N, j_N = _replica_layout(hosts_E, owner_E)
         # largest remainder over equal weights: the first load mod c instances take one more
-        c_E = 1 + np.array([len(h) for h in hosts_E], dtype=np.int64)
-        base_E, extra_E = np.divmod(load_E, c_E)
-        quotas_E = [base_E[e] + (np.arange(c_E[e]) < extra_E[e]) for e in range(len(load_E))]
-        return _replica_plan("ultraep_greedy", d_GE, cluster, dims, budget_bytes, hosts_E, quotas_E, row_cap, {})
+        base_E, extra_E = np.divmod(load_E, 1 + np.array([len(h) for h in hosts_E], dtype=np.int64))
+        return hosts_E, expert_N, rank_N, rep_N, base_E[expert_N] + (j_N < extra_E[expert_N])
 
-    return resolve_budget(build, demand_GE, budget_bytes, fallback, max_split)
+    def build(d_GE, row_cap):
+        hosts_E, expert_N, rank_N, _, quota_N = layout(d_GE)
+        return _replica_plan("ultraep_greedy", d_GE, cluster, dims, budget_bytes, hosts_E, expert_N, rank_N, quota_N,
+                             row_cap, {})
+
+    def fits(d_GE, row_cap):
+        if row_cap is not None:
+            return build(d_GE, row_cap).fits
+        _, _, rank_N, rep_N, quota_N = layout(d_GE)
+        return _layout_fits(d_GE, dims, budget_bytes, rank_N, rep_N, quota_N)
+
+    return resolve_budget(build, demand_GE, budget_bytes, fallback, max_split, fits=fits)

@@ -102,22 +102,33 @@ def plan_memory(dims, num_ranks: int, rank_N, is_replica_N, send_GN, quota_GN, *
                 optimizer_on_gpu: bool = True, pairs_G=None) -> MemoryBreakdown:
     """Memory of every rank for instances on ``rank_N`` with the given send and backward quotas.
     ``pairs_G``: each rank's routed pairs P_r (default: the pairs it sends, i.e. no capacity drops)."""
-    rank_N = np.asarray(rank_N, dtype=np.int64)
-    rep_N = np.asarray(is_replica_N, dtype=bool)
     send_GN = np.asarray(send_GN, dtype=np.int64)
     quota_GN = np.asarray(quota_GN, dtype=np.int64)
+    sent_G = send_GN.sum(1)
+    return count_memory(dims, num_ranks, rank_N, is_replica_N, recv_N=send_GN.sum(0), kept_recv_N=quota_GN.sum(0),
+                        sent_G=sent_G, kept_sent_G=quota_GN.sum(1), pairs_G=sent_G if pairs_G is None else pairs_G,
+                        optimizer_on_gpu=optimizer_on_gpu)
+
+
+def count_memory(dims, num_ranks: int, rank_N, is_replica_N, *, recv_N, kept_recv_N, sent_G, kept_sent_G, pairs_G,
+                 optimizer_on_gpu: bool = True) -> MemoryBreakdown:
+    """:func:`plan_memory` from the counts it reads (module docstring): the rows every instance
+    receives and keeps, and the pairs every source rank sends, keeps sent, and routes. A planner
+    that knows these without the [G, N] matrices (every instance receives its quota) sizes a
+    candidate plan with it; the result is the same integers as :func:`plan_memory`'s."""
+    rank_N = np.asarray(rank_N, dtype=np.int64)
+    rep_N = np.asarray(is_replica_N, dtype=bool)
     G = num_ranks
     n_owned_G = np.bincount(rank_N[~rep_N], minlength=G)
     n_rep_G = np.bincount(rank_N[rep_N], minlength=G)
-    recv_G = np.bincount(rank_N, weights=send_GN.sum(0), minlength=G).astype(np.int64)
-    kept_recv_G = np.bincount(rank_N, weights=quota_GN.sum(0), minlength=G).astype(np.int64)
-    pairs_G = send_GN.sum(1) if pairs_G is None else np.asarray(pairs_G, dtype=np.int64)
+    recv_G = np.bincount(rank_N, weights=np.asarray(recv_N, dtype=np.int64), minlength=G).astype(np.int64)
+    kept_recv_G = np.bincount(rank_N, weights=np.asarray(kept_recv_N, dtype=np.int64), minlength=G).astype(np.int64)
     row = token_row_bytes(dims)
     return MemoryBreakdown(
         base_G=n_owned_G * instance_bytes(dims, replica=False, optimizer_on_gpu=optimizer_on_gpu),
         replicas_G=n_rep_G * instance_bytes(dims, replica=True),
-        dispatch_G=row["dispatch"] * (send_GN.sum(1) + quota_GN.sum(1)),
-        saved_G=row["saved"] * recv_G + row["output"] * pairs_G,
+        dispatch_G=row["dispatch"] * (np.asarray(sent_G, dtype=np.int64) + np.asarray(kept_sent_G, dtype=np.int64)),
+        saved_G=row["saved"] * recv_G + row["output"] * np.asarray(pairs_G, dtype=np.int64),
         backward_G=row["backward"] * kept_recv_G,
     )
 

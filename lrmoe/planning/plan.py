@@ -474,14 +474,16 @@ def replica_instances(cluster: Cluster, dims: ModelDims, hosts_E,
     in the slots after the owned ones. Returns the instances and each expert's instance columns
     (owner first)."""
     instances = owner_instances(cluster, dims, policy)
-    used = np.full(cluster.num_ranks, len(instances) // cluster.num_ranks)
+    used = [len(instances) // cluster.num_ranks] * cluster.num_ranks  # slots taken per rank
+    S = cluster.slots_per_rank
     cols_E = [[e] for e in range(dims.num_experts)]
     for e, hosts in enumerate(hosts_E):
         for t in hosts:
-            if used[t] >= cluster.slots_per_rank:
+            t = int(t)
+            if used[t] >= S:
                 raise ValueError(f"{policy}: rank {t} has no free slot for a replica of expert {e}")
             cols_E[e].append(len(instances))
-            instances.append(Instance(e, int(t), int(used[t]), True))
+            instances.append(Instance(e, t, used[t], True))
             used[t] += 1
     return instances, cols_E
 

@@ -312,3 +312,91 @@ def test_a_thousand_random_small_cases_keep_the_reference_quality(chunk):
     # the sample holds pressured plans, not only easy ones: quotas shrunk, microbatches split
     assert sum(f == "shrink_quota" for n, f in fallbacks if n == "lrmoe") >= 5
     assert sum(f is not None and f.startswith("split") for n, f in fallbacks) >= 10
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_symi_slot_counts_equal_reference(seed):
+    """SYMI's slot allocation (heap form, integer fast path) gives the reference loop's counts:
+    integer counts, exact ties (thirds), zeros, fractional popularity, one hot expert (the
+    decrement loop runs), a single expert, and slot totals from E to 4E."""
+    from baselines.symi import symi_slot_counts
+    from lrmoe.planning.reference.symi import symi_slot_counts as ref_counts
+    rng = np.random.default_rng(700 + seed)
+    for _ in range(40):
+        E = int(rng.choice((1, 2, 3, 7, 16, 64)))
+        kind = ("counts", "ties", "zeros", "fractional", "hot", "all_zero")[seed % 6]
+        pop = rng.integers(0, 5000, E).astype(np.float64)
+        if kind == "ties":
+            pop = np.full(E, float(rng.integers(1, 4)))
+        elif kind == "zeros":
+            pop[rng.random(E) < 0.6] = 0
+        elif kind == "fractional":
+            pop = rng.random(E) * 10 + rng.integers(0, 2, E) * 0.5
+        elif kind == "hot":
+            pop[:] = rng.integers(0, 3, E)
+            pop[int(rng.integers(E))] = 1e6
+        elif kind == "all_zero":
+            pop[:] = 0
+        total = int(rng.integers(E, 4 * E + 1))
+        got = symi_slot_counts(pop, total)
+        np.testing.assert_array_equal(got, ref_counts(pop, total), err_msg=f"{kind} E={E} total={total} pop={pop}")
+        assert got.sum() == total and got.min() >= 1
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("kind", KINDS)
+def test_count_memory_equals_plan_memory(seed, kind):
+    """The counts-level memory (what the baselines' split probes read) is plan_memory's, field by
+    field, on random send and backward-quota matrices (capacity drops: pairs_G above the sent)."""
+    from lrmoe.planning.memory import count_memory, plan_memory
+    rng = np.random.default_rng(800 + seed)
+    G, N = int(rng.integers(1, 9)), int(rng.integers(1, 30))
+    dims = ModelDims(hidden=int(rng.integers(1, 64)), intermediate=int(rng.integers(1, 64)), num_experts=N, top_k=1)
+    send = weights(rng, G, N, kind)
+    quota = (send * rng.random((G, N))).astype(np.int64)
+    rank_N, rep_N = rng.integers(0, G, N), rng.random(N) < 0.4
+    pairs_G = send.sum(1) + rng.integers(0, 5, G)
+    for opt in (True, False):
+        want = plan_memory(dims, G, rank_N, rep_N, send, quota, optimizer_on_gpu=opt, pairs_G=pairs_G)
+        got = count_memory(dims, G, rank_N, rep_N, recv_N=send.sum(0), kept_recv_N=quota.sum(0), sent_G=send.sum(1),
+                           kept_sent_G=quota.sum(1), pairs_G=pairs_G, optimizer_on_gpu=opt)
+        for f in ("base_G", "replicas_G", "dispatch_G", "saved_G", "backward_G"):
+            np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
+
+
+@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("policy", ("ultraep", "ultraep_greedy"))
+def test_ultraep_layout_memory_equals_its_plan(seed, policy):
+    """The UltraEP planners' split probes size a layout from its instance quotas alone
+    (``_layout_fits``); that is the memory of the plan built from the same layout, at budgets
+    just below, at and above its peak (the case's demand and pieces of it)."""
+    from baselines import ultraep as U
+    rng = np.random.default_rng(900 + seed)
+    G, epr, dims, cl, d, _ = small_case(rng, seed, ("random", "empty", "hot")[seed % 3])
+    free_G, owner_E = U._check_common(cl, dims, policy, None)
+    for n in (1, 2, 3):
+        piece = -(-d // n)
+        load_E = piece.sum(0)
+        hosts_E = [[] for _ in load_E]
+        if policy == "ultraep":
+            _, reps = U.ultraep_threshold(load_E, owner_E, free_G, cl.domain_G, 4)
+            pairs = [(e, t) for e, t, _ in reps]
+        else:
+            pairs = U.eplb_replicas(load_E, owner_E, free_G, cl.domain_G)
+        for e, t in pairs:
+            hosts_E[e].append(t)
+        expert_N, rank_N, rep_N, j_N = U._replica_layout(hosts_E, owner_E)
+        if policy == "ultraep":
+            rep = np.array(sorted(reps, key=lambda r: r[0]), dtype=np.int64).reshape(-1, 3)
+            quota_N = np.r_[load_E - np.bincount(rep[:, 0], weights=rep[:, 2], minlength=load_E.size).astype(np.int64),
+                            rep[:, 2]]
+        else:
+            base, extra = np.divmod(load_E, 1 + np.array([len(h) for h in hosts_E]))
+            quota_N = base[expert_N] + (j_N < extra[expert_N])
+        plan = U._replica_plan(policy, piece, cl, dims, math.inf, hosts_E, expert_N, rank_N, quota_N, None, {})
+        np.testing.assert_array_equal(plan.expert_N, expert_N)
+        np.testing.assert_array_equal(plan.rank_N, rank_N)
+        np.testing.assert_array_equal(plan.is_replica_N, rep_N)
+        peak = plan.memory.peak
+        for budget in (peak - 1, peak, peak + 1):
+            assert U._layout_fits(piece, dims, budget, rank_N, rep_N, quota_N) == (peak <= budget)
