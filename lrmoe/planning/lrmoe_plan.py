@@ -95,9 +95,9 @@ def _greedy_context(mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, domain_G
     G = len(mem_G)
     owner_E = np.asarray(owner_E)
     return {"mem": np.asarray(mem_G, dtype=np.float64).tolist(), "free": np.asarray(free_G).tolist(),
-            "owner": owner_E.tolist(), "left": np.asarray(d_E).tolist(),
+            "left": np.asarray(d_E).tolist(),
             "w": np.asarray(w_E, dtype=np.float64).tolist(), "rb": np.asarray(row_bytes_E, dtype=np.float64).tolist(),
-            "peers": domain_peers(domain_G),
+            "others": [[u for u in peers if u != r] for r, peers in enumerate(domain_peers(domain_G))],
             "mine": experts_by_load_per_rank(L_E, owner_E, G)}  # by descending weighted load
 
 
@@ -119,7 +119,7 @@ def _greedy(tau, cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, dom
     ctx = context or _greedy_context(mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, domain_G)
     slack = slack.tolist()
     mem, free, left = list(ctx["mem"]), list(ctx["free"]), list(ctx["left"])  # left: rows not moved yet
-    owner, wl, rbl, peers_G, mine_G = ctx["owner"], ctx["w"], ctx["rb"], ctx["peers"], ctx["mine"]
+    wl, rbl, others_G, mine_G = ctx["w"], ctx["rb"], ctx["others"], ctx["mine"]
     extra: dict[int, set] = {}  # replica hosts of every expert given one (its owner hosts it too)
     rep_bytes = float(rep_bytes)
     finite = math.isfinite(budget)
@@ -128,15 +128,16 @@ def _greedy(tau, cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, dom
     def shed(r, need):
         """Move rows off rank r until its cost excess ``need`` is gone (and, in pass 2, its memory
         is within budget); returns the cost excess left."""
-        peers = peers_G[r]
+        peers = others_G[r]  # r sheds the experts it owns: never to itself
         for e in mine_G[r]:
-            w, rb, own = wl[e], rbl[e], owner[e]
+            w, rb = wl[e], rbl[e]
+            w_min = w - _EPS  # the least slack that takes one row
             host = extra.get(e, _NONE)
             while (need > _EPS or mem[r] > budget) and left[e] > 0:
                 t, best = -1, -1.0
                 for u in peers:  # the first rank with the most slack among the eligible ones
-                    if free[u] > 0 and slack[u] >= w - _EPS and mem[u] + rep_bytes + rb <= budget \
-                            and u != own and u not in host and slack[u] > best:
+                    if slack[u] > best and free[u] > 0 and slack[u] >= w_min and u not in host \
+                            and (not finite or mem[u] + rep_bytes + rb <= budget):
                         t, best = u, slack[u]
                 if t < 0:
                     break
@@ -149,7 +150,7 @@ def _greedy(tau, cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, dom
                     x = min(x, math.floor((budget - mem[t] - rep_bytes) / rb))
                 if x < min_rows:
                     break
-                replicas.append((int(e), t, x))
+                replicas.append((e, t, x))
                 slack[t] -= x * w
                 need -= x * w
                 free[t] -= 1
