@@ -24,6 +24,7 @@ from lrmoe.planning.plan import (cap_rows, domain_peers, experts_by_load_per_ran
                                  owned_layout, replica_instances, resolve_budget)
 
 Replica = tuple[int, int, int]  # (expert, host rank, quota rows)
+_NONE: frozenset = frozenset()
 
 
 def ultraep_feasible(tau: int, load_E, owner_E, free_G, domain_G, min_tokens: int = 1024,
@@ -56,9 +57,10 @@ def _solver_context(load_E, owner_E, free_G, domain_G) -> dict:
     owner_E = np.asarray(owner_E, dtype=np.int64)
     G = len(free_G)
     rank_load = np.bincount(owner_E, weights=load_E, minlength=G).astype(np.int64)
-    return {"rank_load": rank_load.tolist(), "order": np.argsort(-rank_load, kind="stable").tolist(),
-            "free": np.asarray(free_G, dtype=np.int64).tolist(), "owner": owner_E.tolist(),
-            "loads": load_E.tolist(), "peers": domain_peers(domain_G),
+    return {"rank_load": rank_load.tolist(), "total": int(rank_load.sum()),
+            "order": np.argsort(-rank_load, kind="stable").tolist(),
+            "free": np.asarray(free_G, dtype=np.int64).tolist(), "loads": load_E.tolist(),
+            "others": [[u for u in peers if u != r] for r, peers in enumerate(domain_peers(domain_G))],
             "mine": experts_by_load_per_rank(load_E, owner_E, G)}
 
 
@@ -66,34 +68,36 @@ def _feasible(tau: int, ctx: dict, min_tokens, overshoot: bool) -> list[Replica]
     """:func:`ultraep_feasible` over a :func:`_solver_context`: scalar Python over the ranks (few;
     the same integer arithmetic and ties as the array form)."""
     rank_load = ctx["rank_load"]
-    excess = [max(x - tau, 0) for x in rank_load]
-    slack = [max(tau - x, 0) for x in rank_load]
-    if sum(excess) > sum(slack):
+    # sum(excess) - sum(slack) = sum(rank_load) - G * tau (exact integers): the first test
+    if ctx["total"] > len(rank_load) * tau:
         return None
-    free, owner, loads, peers_G, mine_G = list(ctx["free"]), ctx["owner"], ctx["loads"], ctx["peers"], ctx["mine"]
+    slack = [tau - x if x < tau else 0 for x in rank_load]
+    free, loads, others_G, mine_G = list(ctx["free"]), ctx["loads"], ctx["others"], ctx["mine"]
     hosts: dict[int, set] = {}  # replica hosts so far (the owner hosts every expert too)
     replicas: list[Replica] = []
     for r in ctx["order"]:
-        need = excess[r]
-        if need == 0:
+        need = rank_load[r] - tau
+        if need <= 0:
             break
-        peers = peers_G[r]
+        peers = others_G[r]  # r sheds the experts it owns: never to itself
         for e in mine_G[r]:
             available = loads[e] - 1
-            host, own = hosts.setdefault(e, set()), owner[e]
+            host = hosts.get(e, _NONE)
             while need > 0 and available > 0:
                 t, best = -1, -1
                 for u in peers:  # the first rank with the most slack among those with a free slot
-                    if free[u] > 0 and u != own and u not in host and slack[u] > best:
+                    if slack[u] > best and free[u] > 0 and u not in host:
                         t, best = u, slack[u]
                 if t < 0:
                     break
                 q = min(max(need, min_tokens) if overshoot else need, slack[t], available)
                 if q < min_tokens:
                     break
-                replicas.append((int(e), t, q))
+                replicas.append((e, t, q))
                 slack[t] -= q
                 free[t] -= 1
+                if host is _NONE:
+                    host = hosts[e] = set()
                 host.add(t)
                 need -= q
                 available -= q
