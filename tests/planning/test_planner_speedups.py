@@ -400,3 +400,30 @@ def test_ultraep_layout_memory_equals_its_plan(seed, policy):
         peak = plan.memory.peak
         for budget in (peak - 1, peak, peak + 1):
             assert U._layout_fits(piece, dims, budget, rank_N, rep_N, quota_N) == (peak <= budget)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ultraep_solver_ties_equal_reference(seed):
+    """Receivers with equal slack (every rank but the hot one equally loaded): the solver picks
+    the lower rank as the reference does, at every threshold of the search range."""
+    from baselines import ultraep as U
+    from lrmoe.planning.reference import ultraep as RU
+    rng = np.random.default_rng(650 + seed)
+    G = (4, 8, 16)[seed % 3]
+    epr = int(rng.integers(1, 4))
+    load = np.full(G * epr, int(rng.integers(100, 2000)))
+    hot = int(rng.integers(G))
+    load[hot * epr:(hot + 1) * epr] *= int(rng.integers(2, 6))
+    owner = np.arange(G * epr) // epr
+    free = np.full(G, int(rng.integers(1, 4)))
+    domain = np.arange(G) // max(G // 2, 1) if seed % 2 else np.zeros(G, dtype=np.int64)
+    rank_load = np.bincount(owner, weights=load, minlength=G)
+    lo, hi = int(rank_load.sum() // G), int(rank_load.max())
+    replicas = 0
+    for tau in np.unique(np.linspace(lo, hi, 25).astype(np.int64)):
+        for mt in (1, 64):
+            got = U.ultraep_feasible(int(tau), load, owner, free, domain, mt)
+            assert got == RU.ultraep_feasible(int(tau), load, owner, free, domain, mt)
+            replicas += len(got or [])
+    assert replicas > 0  # the ties were exercised: replicas were placed
+    assert U.ultraep_threshold(load, owner, free, domain, 64) == RU.ultraep_threshold(load, owner, free, domain, 64)
