@@ -427,3 +427,23 @@ def test_ultraep_solver_ties_equal_reference(seed):
             replicas += len(got or [])
     assert replicas > 0  # the ties were exercised: replicas were placed
     assert U.ultraep_threshold(load, owner, free, domain, 64) == RU.ultraep_threshold(load, owner, free, domain, 64)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("kind", KINDS)
+def test_expert_sum_equals_loop(seed, kind):
+    """expert_sum (one bincount) against the column loop; experts without an instance get zeros;
+    an instance of an expert outside [0, E) is refused."""
+    from lrmoe.planning.plan import expert_sum
+    rng = np.random.default_rng(950 + seed)
+    G, E = int(rng.integers(1, 9)), int(rng.integers(1, 20))
+    expert_N = rng.integers(0, E, int(rng.integers(0, 3 * E)))
+    x = weights(rng, G, expert_N.size, kind)
+    want = np.zeros((G, E), dtype=np.int64)
+    for n, e in enumerate(expert_N):
+        want[:, e] += x[:, n]
+    got = expert_sum(x, expert_N, E)
+    assert got.dtype == np.int64
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match=r"instance experts must be in \[0"):
+        expert_sum(np.ones((G, 1), dtype=np.int64), np.array([E]), E)
