@@ -21,6 +21,7 @@ from fractions import Fraction
 
 import numpy as np
 
+from lrmoe.planning.memory import plan_memory
 from lrmoe.planning.plan import Instance, cap_rows, make_plan, prefix_split_experts, resolve_budget
 
 
@@ -113,7 +114,10 @@ def plan_symi(demand_GE, cluster, dims, budget_bytes, *, state: SymiState | None
     expert_N = np.array([i.expert for i in instances])
     new_state = SymiState(demand_GE.sum(0))
 
-    def build(d_GE, row_cap):
+    rank_N = np.array([i.rank for i in instances])
+    replica_N = np.array([i.is_replica for i in instances], dtype=bool)
+
+    def route(d_GE, row_cap):
         # each expert's pairs split evenly over its slots (largest remainder of equal weights: the
         # first d_e mod c_e slots take one more), then routed by ordinal prefix
         d_E = d_GE.sum(0)
@@ -123,11 +127,20 @@ def plan_symi(demand_GE, cluster, dims, budget_bytes, *, state: SymiState | None
         send = prefix_split_experts(d_GE, expert_N, quota_N)
         cap = None if capacity_factor is None else math.ceil(capacity_factor * int(d_GE.sum()) / (G * S))
         caps = [c for c in (cap, row_cap) if c is not None]
-        if caps:
-            send = cap_rows(send, min(caps))
+        return (cap_rows(send, min(caps)) if caps else send), cap
+
+    def build(d_GE, row_cap):
+        send, cap = route(d_GE, row_cap)
         info = {"slot_counts_E": counts, "popularity_E": popularity, "capacity_rows": cap,
                 "mode": "dropless" if capacity_factor is None else f"capacity_factor={capacity_factor}"}
         return make_plan("symi", d_GE, cluster, dims, budget_bytes, instances, send, optimizer_on_gpu=False,
                          info=info, state=new_state)
 
-    return resolve_budget(build, demand_GE, budget_bytes, fallback, max_split)
+    def fits(d_GE, row_cap):
+        # the memory of build's plan (every pair sent is kept) without assembling it: the probes
+        # of the budget fallbacks read only this
+        send, _ = route(d_GE, row_cap)
+        return plan_memory(dims, G, rank_N, replica_N, send, send, optimizer_on_gpu=False,
+                           pairs_G=d_GE.sum(1)).peak <= budget_bytes
+
+    return resolve_budget(build, demand_GE, budget_bytes, fallback, max_split, fits=fits)
