@@ -186,8 +186,9 @@ def eplb_replicas(load_E, owner_E, free_G, domain_G) -> list[tuple[int, int]]:
     for e in wanted[np.argsort(-share[wanted], kind="stable")].tolist():
         host = hosts.setdefault(e, set())
         t, best = -1, math.inf
+        own = owner[e]
         for u in peers[dom_e[e]]:  # the first least-loaded rank with a free slot not hosting e
-            if free[u] > 0 and u != owner[e] and u not in host and (t < 0 or rank_load[u] < best):
+            if rank_load[u] < best and free[u] > 0 and u != own and u not in host:  # best = inf until one is found
                 t, best = u, rank_load[u]
         if t < 0:
             continue
