@@ -90,11 +90,13 @@ def _over_memory_floor(dims: ModelDims, num_ranks: int, pairs: int, kept: int, b
     return math.isfinite(budget) and -(-floor // num_ranks) > budget
 
 
-def _greedy_context(mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, domain_G) -> dict:
+def _greedy_context(cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, domain_G) -> dict:
     """What :func:`_greedy` reads at every threshold, as Python lists (built once per quota)."""
     G = len(mem_G)
     owner_E = np.asarray(owner_E)
-    return {"mem": np.asarray(mem_G, dtype=np.float64).tolist(), "free": np.asarray(free_G).tolist(),
+    cost_G = np.asarray(cost_G).astype(np.float64)
+    return {"cost": cost_G, "order": np.argsort(-cost_G, kind="stable").tolist(),  # ranks by descending cost
+            "mem": np.asarray(mem_G, dtype=np.float64).tolist(), "free": np.asarray(free_G).tolist(),
             "left": np.asarray(d_E).tolist(),
             "w": np.asarray(w_E, dtype=np.float64).tolist(), "rb": np.asarray(row_bytes_E, dtype=np.float64).tolist(),
             "others": [[u for u in peers if u != r] for r, peers in enumerate(domain_peers(domain_G))],
@@ -109,15 +111,14 @@ def _greedy(tau, cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, dom
     weighted load); pass 2 then uses the slack left to shed memory from ranks still over the
     budget (best effort). A receiver never goes over tau nor over the budget. ``context``: the
     :func:`_greedy_context` of the same arguments (built here when None)."""
-    cost_G = cost_G.astype(np.float64)
-    excess = np.maximum(cost_G - tau, 0.0)
-    slack = np.maximum(tau - cost_G, 0.0)
+    ctx = context or _greedy_context(cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, domain_G)
+    excess = np.maximum(ctx["cost"] - tau, 0.0)
+    slack = np.maximum(tau - ctx["cost"], 0.0)
     if excess.sum() > slack.sum() + _EPS:
         return None
     # Scalar Python over the G ranks (G is small; numpy per-element calls cost more than they save).
     # Every operation is the same IEEE double arithmetic as the array form, in the same order.
-    ctx = context or _greedy_context(mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, domain_G)
-    slack = slack.tolist()
+    excess, slack = excess.tolist(), slack.tolist()
     mem, free, left = list(ctx["mem"]), list(ctx["free"]), list(ctx["left"])  # left: rows not moved yet
     wl, rbl, others_G, mine_G = ctx["w"], ctx["rb"], ctx["others"], ctx["mine"]
     extra: dict[int, set] = {}  # replica hosts of every expert given one (its owner hosts it too)
@@ -164,9 +165,9 @@ def _greedy(tau, cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, dom
                 break
         return need
 
-    order = np.argsort(-cost_G, kind="stable").tolist()
+    order = ctx["order"]
     for r in order:
-        if excess[r] > _EPS and shed(r, float(excess[r])) > _EPS:
+        if excess[r] > _EPS and shed(r, excess[r]) > _EPS:
             return None
     for r in order:
         if mem[r] > budget:
@@ -226,7 +227,7 @@ class _QuotaSearch:
         cost_G = np.bincount(owner_E, weights=L_E, minlength=G)
         self.args = (cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, cluster.domain_G,
                      instance_bytes(dims, replica=True), budget, min_rows)
-        self.context = _greedy_context(*self.args[1:9])
+        self.context = _greedy_context(*self.args[:9])
         self.lo, self.top = math.floor(cost_G.sum() / G), math.ceil(cost_G.max(initial=0.0))
         self.candidate_args = (d_GE, q_E, cluster, dims, budget, backward_weight, info)
         self.budget = budget
