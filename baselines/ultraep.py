@@ -52,7 +52,7 @@ def ultraep_feasible(tau: int, load_E, owner_E, free_G, domain_G, min_tokens: in
 
 
 def _solver_context(load_E, owner_E, free_G, domain_G) -> dict:
-    """What :func:`_feasible` reads at every threshold, as Python lists (built once per search)."""
+    """What :func:`_feasible` reads at every threshold (built once per search): Python lists and ints."""
     load_E = np.asarray(load_E, dtype=np.int64)
     owner_E = np.asarray(owner_E, dtype=np.int64)
     G = len(free_G)

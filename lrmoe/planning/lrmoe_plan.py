@@ -91,7 +91,8 @@ def _over_memory_floor(dims: ModelDims, num_ranks: int, pairs: int, kept: int, b
 
 
 def _greedy_context(cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, domain_G) -> dict:
-    """What :func:`_greedy` reads at every threshold, as Python lists (built once per quota)."""
+    """What :func:`_greedy` reads at every threshold (built once per quota): the costs (float64 array) and
+    the ranks by descending cost, the rest as Python lists."""
     G = len(mem_G)
     owner_E = np.asarray(owner_E)
     cost_G = np.asarray(cost_G).astype(np.float64)

@@ -269,15 +269,12 @@ def expert_sum(x_GN: np.ndarray, expert_N: np.ndarray, num_experts: int) -> np.n
     """Sum the instance columns of x_GN per expert -> [G, E]."""
     x_GN = np.asarray(x_GN, dtype=np.int64)
     expert_N = np.asarray(expert_N, dtype=np.int64)
+    if x_GN.ndim != 2 or x_GN.shape[1] != expert_N.size:
+        raise ValueError(f"x_GN must have one column per instance ({expert_N.size}), got shape {x_GN.shape}")
     if expert_N.size and (expert_N.min() < 0 or expert_N.max() >= num_experts):
         raise ValueError(f"instance experts must be in [0, {num_experts}), got {expert_N.min()}..{expert_N.max()}")
     out = np.zeros((x_GN.shape[0], num_experts), dtype=np.int64)
-    if expert_N.size:
-        # columns grouped by expert (stable), each group summed by one reduceat
-        order = np.argsort(expert_N, kind="stable")
-        ex = expert_N[order]
-        starts = np.flatnonzero(np.r_[True, ex[1:] != ex[:-1]])
-        out[:, ex[starts]] = np.add.reduceat(x_GN[:, order], starts, axis=1)
+    np.add.at(out.T, expert_N, x_GN.T)
     return out
 
 

@@ -346,8 +346,8 @@ def test_symi_slot_counts_equal_reference(seed):
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("kind", KINDS)
 def test_count_memory_equals_plan_memory(seed, kind):
-    """The counts-level memory (what the baselines' split probes read) is plan_memory's, field by
-    field, on random send and backward-quota matrices (capacity drops: pairs_G above the sent)."""
+    """The counts-level memory (what UltraEP's split probes read; plan_memory calls it too) is
+    plan_memory's, field by field, on random send and backward-quota matrices (capacity drops: pairs_G above the sent)."""
     from lrmoe.planning.memory import count_memory, plan_memory
     rng = np.random.default_rng(800 + seed)
     G, N = int(rng.integers(1, 9)), int(rng.integers(1, 30))
@@ -432,8 +432,8 @@ def test_ultraep_solver_ties_equal_reference(seed):
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("kind", KINDS)
 def test_expert_sum_equals_loop(seed, kind):
-    """expert_sum (one bincount) against the column loop; experts without an instance get zeros;
-    an instance of an expert outside [0, E) is refused."""
+    """expert_sum against the column loop; experts without an instance get zeros; an instance of an
+    expert outside [0, E), or a column count other than the instances', is refused."""
     from lrmoe.planning.plan import expert_sum
     rng = np.random.default_rng(950 + seed)
     G, E = int(rng.integers(1, 9)), int(rng.integers(1, 20))
@@ -447,3 +447,97 @@ def test_expert_sum_equals_loop(seed, kind):
     np.testing.assert_array_equal(got, want)
     with pytest.raises(ValueError, match=r"instance experts must be in \[0"):
         expert_sum(np.ones((G, 1), dtype=np.int64), np.array([E]), E)
+    with pytest.raises(ValueError, match=r"instance experts must be in \[0"):
+        expert_sum(np.ones((G, 1), dtype=np.int64), np.array([-1]), E)
+    with pytest.raises(ValueError, match="one column per instance"):
+        expert_sum(np.ones((G, expert_N.size + 1), dtype=np.int64), expert_N, E)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("fallback", ("split", "drop"))
+def test_baseline_fallback_probes_equal_their_plans_and_the_reference(seed, fallback, monkeypatch):
+    """SYMI, UltraEP and its greedy fallback answer the budget fallbacks' probes with a ``fits``
+    that skips assembling the plan: on every probe (split pieces, and row caps of the drop
+    fallback) it equals ``build(d, row_cap).fits``, and the plans equal the reference's."""
+    from lrmoe.planning import plan as P
+    import baselines.symi
+    import baselines.ultraep
+    rng = np.random.default_rng(1200 + seed)
+    G, epr, dims, cl, d, peak = small_case(rng, seed, ("random", "empty", "hot")[seed % 3])
+    real = P.resolve_budget
+    probes = []
+
+    def checked(build, demand_GE, budget_bytes, fallback="split", max_split=256, fits=None):
+        assert fits is not None  # these planners pass their probe
+
+        def probe(d_GE, row_cap):
+            got = fits(d_GE, row_cap)
+            assert got == build(d_GE, row_cap).fits, (d_GE, row_cap)
+            probes.append(row_cap)
+            return got
+        return real(build, demand_GE, budget_bytes, fallback, max_split, fits=probe)
+
+    for module in (baselines.symi, baselines.ultraep):
+        monkeypatch.setattr(module, "resolve_budget", checked)
+    for frac in (0.9, 0.7, 0.5):
+        budget = frac * max(peak, 1)
+        for name, opts in (("symi", {}), ("symi", {"capacity_factor": None}), ("ultraep", {"min_tokens": 4}),
+                           ("ultraep_greedy", {})):
+            p = plan_placement(name, d, cl, dims, budget, fallback=fallback, **opts)
+            r = reference_plan(name, d, cl, dims, budget, fallback=fallback, **opts)
+            for a in ("send_GN", "backward_quota_GN", "dropped_GE", "expert_N", "rank_N", "is_replica_N"):
+                np.testing.assert_array_equal(getattr(p, a), getattr(r, a), err_msg=f"{name} {opts} {frac} {a}")
+            assert (p.fallback, p.num_splits, p.over_budget) == (r.fallback, r.num_splits, r.over_budget)
+    assert probes  # the fallbacks ran
+    if fallback == "drop":
+        assert any(c is not None for c in probes)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_eplb_ties_equal_reference(seed):
+    """The EPLB-like placement with tied shares and tied rank loads (equal experts, one hot
+    rank): the reference's replicas, lower index first."""
+    from baselines import ultraep as U
+    from lrmoe.planning.reference import ultraep as RU
+    rng = np.random.default_rng(1300 + seed)
+    G = (4, 8, 16)[seed % 3]
+    epr = int(rng.integers(1, 4))
+    load = np.full(G * epr, int(rng.integers(100, 2000)))
+    hot = int(rng.integers(G))
+    load[hot * epr:(hot + 1) * epr] *= int(rng.integers(2, 6))
+    owner = np.arange(G * epr) // epr
+    free = np.full(G, int(rng.integers(1, 4)))
+    domain = np.arange(G) // max(G // 2, 1) if seed % 2 else np.zeros(G, dtype=np.int64)
+    got = U.eplb_replicas(load, owner, free, domain)
+    assert got and got == RU.eplb_replicas(load, owner, free, domain)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("kind", ("random", "ties", "hot"))
+def test_lrmoe_greedy_equals_reference_at_every_threshold(seed, kind):
+    """LRMoE's greedy (receivers without the source, the cheapest rejection first, costs and
+    order read once per search) returns the reference greedy's replicas at every threshold of
+    the search range, with and without a memory budget, on tied, hot and random demands."""
+    rng = np.random.default_rng(1400 + seed)
+    G, epr = (2, 4, 8)[seed % 3], int(rng.integers(1, 4))
+    E = G * epr
+    dims = ModelDims(hidden=32, intermediate=16, num_experts=E, top_k=2, optimizer_bytes_per_param=0)
+    domains = None if G < 4 or seed % 2 else (tuple(range(G // 2)), tuple(range(G // 2, G)))
+    cl = Cluster(num_ranks=G, slots_per_rank=epr + int(rng.integers(1, 4)), fast_domains=domains)
+    if kind == "ties":
+        d = np.full((G, E), int(rng.integers(1, 50)), dtype=np.int64)
+        d[:, :epr] *= 3  # rank 0's experts hotter: the other ranks tie as receivers
+    else:
+        d = skewed_demand(rng, G, E, "hot" if kind == "hot" else "random")
+    peak = plan_placement("lrmoe", d, cl, dims, math.inf).memory.peak
+    q = L._quota(d.sum(0), int(round(0.8 * d.sum())), "waterfill", {}, 0.2)
+    kw = dict(free_G=np.full(G, cl.slots_per_rank - epr), owner_E=np.arange(E) // epr, backward_weight=2.0,
+              min_rows=1, info={})
+    placed = 0
+    for budget in (math.inf, 0.8 * max(peak, 1)):
+        s = L._QuotaSearch(d, q, cl, dims, budget, **kw)
+        for tau in range(s.lo, s.top + 1, max(1, (s.top - s.lo) // 40)):
+            got = L._greedy(tau, *s.args, context=s.context)
+            assert got == R._greedy(tau, *s.args), (budget, tau)
+            placed += len(got or [])
+    assert placed > 0  # replicas were placed, so receivers were chosen
