@@ -20,8 +20,8 @@ import math
 import numpy as np
 
 from lrmoe.planning.memory import count_memory
-from lrmoe.planning.plan import (cap_rows, domain_peers, experts_by_load_per_rank, locality_split_replicas, make_plan,
-                                 owned_layout, replica_instances, resolve_budget)
+from lrmoe.planning.plan import (cap_rows, domain_receivers, experts_by_load_per_rank, locality_split_replicas,
+                                 make_plan, owned_layout, replica_columns, replica_instances, resolve_budget)
 
 Replica = tuple[int, int, int]  # (expert, host rank, quota rows)
 _NONE: frozenset = frozenset()
@@ -60,7 +60,7 @@ def _solver_context(load_E, owner_E, free_G, domain_G) -> dict:
     return {"rank_load": rank_load.tolist(), "total": int(rank_load.sum()),
             "order": np.argsort(-rank_load, kind="stable").tolist(),
             "free": np.asarray(free_G, dtype=np.int64).tolist(), "loads": load_E.tolist(),
-            "others": [[u for u in peers if u != r] for r, peers in enumerate(domain_peers(domain_G))],
+            "others": domain_receivers(domain_G),
             "mine": experts_by_load_per_rank(load_E, owner_E, G)}
 
 
@@ -199,22 +199,10 @@ def eplb_replicas(load_E, owner_E, free_G, domain_G) -> list[tuple[int, int]]:
     return placed
 
 
-def _replica_layout(hosts_E, owner_E):
-    """Per instance column of :func:`lrmoe.planning.plan.replica_instances` (masters, then every
-    expert's replicas on ``hosts_E[e]`` in order): its expert, its rank, whether it is a replica,
-    and its index among its expert's instances (0: the master)."""
-    E = len(owner_E)
-    rep_ex = np.repeat(np.arange(E), [len(h) for h in hosts_E])
-    rep_rank = np.array([t for h in hosts_E for t in h], dtype=np.int64)
-    j_R = 1 + np.arange(rep_ex.size) - np.searchsorted(rep_ex, rep_ex)
-    return (np.r_[np.arange(E), rep_ex], np.r_[owner_E, rep_rank], np.arange(E + rep_ex.size) >= E,
-            np.r_[np.zeros(E, np.int64), j_R])
-
-
 def _replica_plan(policy, demand_GE, cluster, dims, budget_bytes, hosts_E, expert_N, rank_N, quota_N, row_cap, info):
-    """Masters plus replicas on ``hosts_E`` (columns as :func:`_replica_layout`): each expert's
-    pairs split locality-first by the instance quotas ``quota_N``, capped at ``row_cap`` rows per
-    instance when given."""
+    """Masters plus replicas on ``hosts_E`` (columns as :func:`lrmoe.planning.plan.replica_columns`):
+    each expert's pairs split locality-first by the instance quotas ``quota_N``, capped at
+    ``row_cap`` rows per instance when given."""
     instances, _ = replica_instances(cluster, dims, hosts_E, policy)
     send = locality_split_replicas(demand_GE, expert_N, rank_N, quota_N)
     if row_cap is not None:
@@ -259,11 +247,8 @@ def plan_ultraep(demand_GE, cluster, dims, budget_bytes, *, state=None, min_toke
         hosts_E = [[] for _ in load_E]
         for e, t, _ in replicas:
             hosts_E[e].append(t)
-        expert_N, rank_N, rep_N, _ = _replica_layout(hosts_E, owner_E)
-        rep = np.array(replicas, dtype=np.int64).reshape(-1, 3)
-        rep = rep[np.argsort(rep[:, 0], kind="stable")]  # the replica columns' order
-        master_E = load_E - np.bincount(rep[:, 0], weights=rep[:, 2], minlength=load_E.size).astype(np.int64)
-        return tau, hosts_E, expert_N, rank_N, rep_N, np.r_[master_E, rep[:, 2]]
+        expert_N, rank_N, quota_N = replica_columns(replicas, load_E, owner_E)
+        return tau, hosts_E, expert_N, rank_N, np.arange(expert_N.size) >= load_E.size, quota_N
 
     def build(d_GE, row_cap):
         tau, hosts_E, expert_N, rank_N, _, quota_N = layout(d_GE)
@@ -288,12 +273,16 @@ def plan_ultraep_greedy(demand_GE, cluster, dims, budget_bytes, *, state=None, r
     def layout(d_GE):
         load_E = d_GE.sum(0)
         hosts_E = [[] for _ in load_E]
-        for e, t in eplb_replicas(load_E, owner_E, free_G, domain_G):
+        placed = eplb_replicas(load_E, owner_E, free_G, domain_G)
+        for e, t in placed:
             hosts_E[e].append(t)
-        expert_N, rank_N, rep_N, j_N = _replica_layout(hosts_E, owner_E)
-        # largest remainder over equal weights: the first load mod c instances take one more
+        expert_N, rank_N, _ = replica_columns([(e, t, 0) for e, t in placed], load_E, owner_E)
+        rep_ex = expert_N[load_E.size:]
+        j_N = np.r_[np.zeros(load_E.size, np.int64), 1 + np.arange(rep_ex.size) - np.searchsorted(rep_ex, rep_ex)]
+        # largest remainder over equal weights: the first load mod c instances take one more (j: the
+        # instance's index among its expert's, 0 the master)
         base_E, extra_E = np.divmod(load_E, 1 + np.array([len(h) for h in hosts_E], dtype=np.int64))
-        return hosts_E, expert_N, rank_N, rep_N, base_E[expert_N] + (j_N < extra_E[expert_N])
+        return hosts_E, expert_N, rank_N, j_N > 0, base_E[expert_N] + (j_N < extra_E[expert_N])
 
     def build(d_GE, row_cap):
         hosts_E, expert_N, rank_N, _, quota_N = layout(d_GE)

@@ -56,9 +56,9 @@ import numbers
 import numpy as np
 
 from .memory import instance_bytes, plan_memory, token_row_bytes, total_memory_floor
-from .plan import (Cluster, ModelDims, Plan, domain_peers, experts_by_load_per_rank, largest_remainder_cols,
-                   largest_remainder_groups, locality_split_replicas, make_plan, owned_layout, replica_instances,
-                   resolve_budget)
+from .plan import (Cluster, ModelDims, Plan, domain_receivers, experts_by_load_per_rank, largest_remainder_cols,
+                   largest_remainder_groups, locality_split_replicas, make_plan, owned_layout, replica_columns,
+                   replica_instances, resolve_budget)
 from .quota import check_drop_ratio, compute_quota, quota_for, retained_total
 
 _EPS = 1e-9
@@ -100,7 +100,7 @@ def _greedy_context(cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, 
             "mem": np.asarray(mem_G, dtype=np.float64).tolist(), "free": np.asarray(free_G).tolist(),
             "left": np.asarray(d_E).tolist(),
             "w": np.asarray(w_E, dtype=np.float64).tolist(), "rb": np.asarray(row_bytes_E, dtype=np.float64).tolist(),
-            "others": [[u for u in peers if u != r] for r, peers in enumerate(domain_peers(domain_G))],
+            "others": domain_receivers(domain_G),
             "mine": experts_by_load_per_rank(L_E, owner_E, G)}  # by descending weighted load
 
 
@@ -426,13 +426,7 @@ def _candidate(d_GE, q_E, replicas, tau, cluster: Cluster, dims: ModelDims, budg
     hosts_E = [[] for _ in range(E)]
     for e, t, _ in replicas:
         hosts_E[e].append(t)
-    rep = np.array([(e, t, x) for e, t, x in replicas], dtype=np.int64).reshape(-1, 3)
-    rep = rep[np.argsort(rep[:, 0], kind="stable")]  # replica columns follow expert order
-    epr = owned_layout(cluster, dims, "lrmoe")
-    expert_N = np.concatenate([np.arange(E), rep[:, 0]])
-    rank_N = np.concatenate([np.arange(E) // epr, rep[:, 1]])
-    rows_N = np.concatenate([d_E, rep[:, 2]])
-    np.subtract.at(rows_N, rep[:, 0], rep[:, 2])
+    expert_N, rank_N, rows_N = replica_columns(replicas, d_E, np.arange(E) // owned_layout(cluster, dims, "lrmoe"))
     send = locality_split_replicas(d_GE, expert_N, rank_N, rows_N)
     kept_N = _instance_quotas_flat(q_E, rows_N, expert_N, rank_N, G, backward_weight, tau)
     quota = largest_remainder_cols(kept_N, send)

@@ -494,6 +494,25 @@ def replica_instances(cluster: Cluster, dims: ModelDims, hosts_E,
     return instances, cols_E
 
 
+def replica_columns(replicas, load_E, owner_E) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per instance column of :func:`replica_instances` for ``replicas`` = (expert, host, rows)
+    (owners, then every expert's replicas in the order given): its expert, its rank
+    (``owner_E[e]`` for the owner) and its rows (a replica its own, an owner its expert's load
+    less its replicas' rows)."""
+    E = len(load_E)
+    rep = np.array(replicas, dtype=np.int64).reshape(-1, 3)
+    rep = rep[np.argsort(rep[:, 0], kind="stable")]  # replica columns follow expert order
+    rows_N = np.concatenate([np.asarray(load_E, dtype=np.int64), rep[:, 2]])
+    np.subtract.at(rows_N, rep[:, 0], rep[:, 2])
+    return (np.concatenate([np.arange(E), rep[:, 0]]), np.concatenate([np.asarray(owner_E, dtype=np.int64), rep[:, 1]]),
+            rows_N)
+
+
+def domain_receivers(domain_G) -> list[list[int]]:
+    """For every rank, the other ranks of its fast domain (those it can place replicas on), in rank order."""
+    return [[u for u in peers if u != r] for r, peers in enumerate(domain_peers(domain_G))]
+
+
 def make_plan(policy: str, demand_GE, cluster: Cluster, dims: ModelDims, budget_bytes: float, instances,
               send_GN, backward_quota_GN=None, *, optimizer_on_gpu: bool = True, info: dict | None = None,
               state: Any = None) -> Plan:

@@ -10,7 +10,7 @@ from lrmoe.planning import Cluster, ModelDims
 from lrmoe.planning import lrmoe_plan as L
 from lrmoe.planning.reference import lrmoe_plan as R
 from lrmoe.planning.plan import (largest_remainder, largest_remainder_cols, largest_remainder_groups, locality_split,
-                                 locality_split_replicas)
+                                 locality_split_replicas, replica_columns)
 from lrmoe.planning.policies import plan_placement
 from lrmoe.planning.reference import reference_plan
 from planner_cases import DROPLESS, skewed_demand
@@ -346,8 +346,10 @@ def test_symi_slot_counts_equal_reference(seed):
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("kind", KINDS)
 def test_count_memory_equals_plan_memory(seed, kind):
-    """The counts-level memory (what UltraEP's split probes read; plan_memory calls it too) is
-    plan_memory's, field by field, on random send and backward-quota matrices (capacity drops: pairs_G above the sent)."""
+    """plan_memory maps the send and backward-quota matrices onto the counts count_memory reads (the
+    rows each instance receives and keeps, what each source sends and keeps sent; UltraEP's split
+    probes give those counts directly): the same breakdown, field by field, on random send and
+    backward-quota matrices (capacity drops: pairs_G above the sent)."""
     from lrmoe.planning.memory import count_memory, plan_memory
     rng = np.random.default_rng(800 + seed)
     G, N = int(rng.integers(1, 9)), int(rng.integers(1, 30))
@@ -385,7 +387,10 @@ def test_ultraep_layout_memory_equals_its_plan(seed, policy):
             pairs = U.eplb_replicas(load_E, owner_E, free_G, cl.domain_G)
         for e, t in pairs:
             hosts_E[e].append(t)
-        expert_N, rank_N, rep_N, j_N = U._replica_layout(hosts_E, owner_E)
+        expert_N, rank_N, _ = replica_columns([(e, t, 0) for e, t in pairs], load_E, owner_E)
+        rep_N = np.arange(expert_N.size) >= load_E.size
+        j_N = np.r_[np.zeros(load_E.size, np.int64), [sum(1 for f, _ in pairs[:i + 1] if f == e) for i, (e, _) in
+                                                     sorted(enumerate(pairs), key=lambda p: p[1][0])]]
         if policy == "ultraep":
             rep = np.array(sorted(reps, key=lambda r: r[0]), dtype=np.int64).reshape(-1, 3)
             quota_N = np.r_[load_E - np.bincount(rep[:, 0], weights=rep[:, 2], minlength=load_E.size).astype(np.int64),
@@ -402,13 +407,10 @@ def test_ultraep_layout_memory_equals_its_plan(seed, policy):
             assert U._layout_fits(piece, dims, budget, rank_N, rep_N, quota_N) == (peak <= budget)
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_ultraep_solver_ties_equal_reference(seed):
-    """Receivers with equal slack (every rank but the hot one equally loaded): the solver picks
-    the lower rank as the reference does, at every threshold of the search range."""
-    from baselines import ultraep as U
-    from lrmoe.planning.reference import ultraep as RU
-    rng = np.random.default_rng(650 + seed)
+
+def tied_ultraep_case(rng, seed):
+    """Equally loaded experts but for one hot rank's (so the other ranks tie as receivers), 1-3
+    experts per rank, 1-3 free slots, one or two fast domains: (G, load_E, owner_E, free_G, domain_G)."""
     G = (4, 8, 16)[seed % 3]
     epr = int(rng.integers(1, 4))
     load = np.full(G * epr, int(rng.integers(100, 2000)))
@@ -417,6 +419,16 @@ def test_ultraep_solver_ties_equal_reference(seed):
     owner = np.arange(G * epr) // epr
     free = np.full(G, int(rng.integers(1, 4)))
     domain = np.arange(G) // max(G // 2, 1) if seed % 2 else np.zeros(G, dtype=np.int64)
+    return G, load, owner, free, domain
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ultraep_solver_ties_equal_reference(seed):
+    """Receivers with equal slack (every rank but the hot one equally loaded): the solver picks
+    the lower rank as the reference does, at every threshold of the search range."""
+    from baselines import ultraep as U
+    from lrmoe.planning.reference import ultraep as RU
+    G, load, owner, free, domain = tied_ultraep_case(np.random.default_rng(650 + seed), seed)
     rank_load = np.bincount(owner, weights=load, minlength=G)
     lo, hi = int(rank_load.sum() // G), int(rank_load.max())
     replicas = 0
@@ -499,15 +511,7 @@ def test_eplb_ties_equal_reference(seed):
     rank): the reference's replicas, lower index first."""
     from baselines import ultraep as U
     from lrmoe.planning.reference import ultraep as RU
-    rng = np.random.default_rng(1300 + seed)
-    G = (4, 8, 16)[seed % 3]
-    epr = int(rng.integers(1, 4))
-    load = np.full(G * epr, int(rng.integers(100, 2000)))
-    hot = int(rng.integers(G))
-    load[hot * epr:(hot + 1) * epr] *= int(rng.integers(2, 6))
-    owner = np.arange(G * epr) // epr
-    free = np.full(G, int(rng.integers(1, 4)))
-    domain = np.arange(G) // max(G // 2, 1) if seed % 2 else np.zeros(G, dtype=np.int64)
+    _, load, owner, free, domain = tied_ultraep_case(np.random.default_rng(1300 + seed), seed)
     got = U.eplb_replicas(load, owner, free, domain)
     assert got and got == RU.eplb_replicas(load, owner, free, domain)
 
