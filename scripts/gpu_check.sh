@@ -1,166 +1,129 @@
 #!/usr/bin/env bash
-# One-GPU check (Hopper, e.g. one H200): the CUDA tests, torch.compile (inductor) of one MoE block
-# against eager in bf16, the grouped GEMM benchmark, the layer benchmark, the backward-GEMM scaling
-# and a 20-step training smoke run (bf16 autocast, Triton experts, synthetic Alpaca-style records),
-# in about 9 minutes at most (the sum of the steps' limits), with only what the machine has
-# preinstalled (no network, no `datasets`).
+# One-GPU check (Hopper, e.g. one H200), in at most 7.5 minutes (the sum of the steps' limits), with
+# only what the machine has preinstalled (no network, no `datasets`):
 #
-#     bash scripts/gpu_check.sh     # results under results/gpu/<date>-<gpu>/ (or $GPU_CHECK_DIR)
+#   bench_grouped_gemm  Triton grouped GEMM vs F.grouped_mm at both paper models' EP8 rank shapes (bf16)
+#   sim_preset          the simulator's measured preset fitted from those rows (docs/simulator.md)
+#   bench_layer         one MoE layer at Qwen3-30B-A3B's dimensions: C0..C50 compact and mask vs HF
+#   train_step          steps of the gpu1 preset's Qwen3 C20 run: peak memory, host syncs per MoE layer
+#   compile_cuda        torch.compile (inductor, fullgraph) of one MoE block vs eager, bf16
+#   pytest_cuda         the CUDA tests (pytest -m cuda; in parallel where pytest-xdist is installed)
+#   bench_gemm_scaling  the backward GEMMs alone vs the fraction of rows kept (the compaction limit)
 #
-# Every benchmark checks its results against a reference before timing. Each step runs under its
-# own time limit and writes its log next to its JSON; a short table of the results is printed
-# last and saved as summary.txt. When $OUT is set (the lent machine's output folder, which brings
-# back only a few files), the results folder is also packed into $OUT/gpu_check.tgz (checkpoints
-# left out), with summary.txt and env.txt beside it. Without a git checkout (a copied working
-# tree), set LRMOE_GIT_REV to the revision so that the JSON files record it.
+#     bash scripts/gpu_check.sh      # results under results/gpu/<date>-<gpu>/ (or $GPU_CHECK_DIR)
+#     GPU_CHECK_STEPS=train_step,compile_cuda bash scripts/gpu_check.sh   # a subset (a rerun)
+#
+# Steps run in the order above (the most informative first), each under its own time limit
+# (SIGINT first, so pytest still writes its junit XML; SIGKILL 5 s later), with its log next to its
+# JSON, and a summary of the step is printed as it ends. Every step's results leave as it ends: when
+# $OUT is set (the lent machine's output folder, which brings back a few files), the results folder
+# is re-packed into $OUT/gpu_check.tgz after each step (written aside, then renamed: never half an
+# archive), with steps.txt, summary.txt and env.txt beside it, so a run killed at any point still
+# returns every step that finished. Triton's cache (autotuning included) lives in the results'
+# parent folder and is shared by the steps: the first step pays the cold compile.
+# Without a CUDA GPU the plumbing runs (the `no-gpu` dry run, tests/cli/test_gpu_check.py):
+# a tiny training step and the smoke grouped GEMM under the Triton interpreter; the others say
+# "skipped". Without a git checkout (a copied working tree), set LRMOE_GIT_REV to the revision.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
 export TRITON_CACHE_AUTOTUNING=1  # later steps reuse the autotune results of earlier ones
 PY=${PYTHON:-python3}
+ALL_STEPS="bench_grouped_gemm,sim_preset,bench_layer,train_step,compile_cuda,pytest_cuda,bench_gemm_scaling"
+WANT=${GPU_CHECK_STEPS:-$ALL_STEPS}
+for s in ${WANT//,/ }; do
+    case ",$ALL_STEPS," in *",$s,"*) ;; *) echo "unknown step '$s' in GPU_CHECK_STEPS; accepted: $ALL_STEPS" >&2; exit 2 ;; esac
+done
 
 gpu=$($PY -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))" 2>/dev/null || echo no-gpu)
 RES=${GPU_CHECK_DIR:-results/gpu/$(date +%Y%m%d-%H%M%S)-$gpu}
 mkdir -p "$RES"
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$(cd "$RES/.." && pwd)/.triton-cache}
+if [ "$gpu" = no-gpu ]; then
+    export TRITON_INTERPRET=1  # the kernels run on CPU tensors (the dry run of the plumbing)
+fi
 {
-    nvidia-smi
-    $PY -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+    nvidia-smi 2>&1 || echo "nvidia-smi: not available"
+    $PY -c "import sys, torch, triton, transformers, numpy; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__, 'numpy', numpy.__version__)"
+    $PY -c "import numba; print('numba', numba.__version__)" 2>/dev/null || echo "numba: not installed"
+    $PY -c "import xdist; print('pytest-xdist', xdist.__version__)" 2>/dev/null || echo "pytest-xdist: not installed"
     echo "revision $(git rev-parse HEAD 2>/dev/null || echo "${LRMOE_GIT_REV:-unknown}")"
+    echo "steps $WANT"
 } >"$RES/env.txt" 2>&1
+cat "$RES/env.txt" | grep -E '^(python|revision|steps|NVIDIA|\|.*H[12]00)' | head -5
 
-pack() {  # bring the results back through $OUT (a few files at most): one archive + the summary
-    if [ -n "${OUT:-}" ] && [ "$OUT" != "$RES" ]; then
-        mkdir -p "$OUT"
-        tar czf "$OUT/gpu_check.tgz" --exclude='*.pt' -C "$(dirname "$RES")" "$(basename "$RES")"
-        cp "$RES/env.txt" "$OUT/" 2>/dev/null
-        cp "$RES/summary.txt" "$OUT/" 2>/dev/null
-    fi
+pack() {  # bring the results back through $OUT (a few files at most): one archive + the texts
+    [ -n "${OUT:-}" ] && [ "$OUT" != "$RES" ] || return 0
+    mkdir -p "$OUT"
+    tar czf "$OUT/.gpu_check.tgz.part" --exclude='*.pt' --exclude='*.safetensors' --exclude='synthetic_alpaca.json' \
+        -C "$(dirname "$RES")" "$(basename "$RES")" && mv -f "$OUT/.gpu_check.tgz.part" "$OUT/gpu_check.tgz"
+    for f in env.txt steps.txt summary.txt; do
+        [ -f "$RES/$f" ] && cp "$RES/$f" "$OUT/.$f.part" && mv -f "$OUT/.$f.part" "$OUT/$f"
+    done
+    return 0
 }
-trap pack EXIT
 
 : >"$RES/steps.txt"
-step() {  # step NAME SECONDS CMD...: run with a time limit, log to $RES/NAME.log, record rc and time
+: >"$RES/summary.txt"
+T_START=$SECONDS
+step() {  # step NAME SECONDS CMD...: run with a time limit, log to $RES/NAME.log, record rc and time, pack
     local name=$1 limit=$2 t0=$SECONDS rc
     shift 2
-    echo "== $name (limit ${limit}s)"
-    timeout --kill-after=10 "$limit" "$@" >"$RES/$name.log" 2>&1
+    case ",$WANT," in *",$name,"*) ;; *) return 0 ;; esac
+    echo "== $name (limit ${limit}s, $((SECONDS - T_START))s into the check)"
+    timeout --signal=INT --kill-after=5 "$limit" "$@" >"$RES/$name.log" 2>&1
     rc=$?
     echo "$name rc=$rc $((SECONDS - t0))s (limit ${limit}s)" | tee -a "$RES/steps.txt"
-    tail -n 3 "$RES/$name.log"
+    { echo "-- $name (rc=$rc, $((SECONDS - t0))s)"; $PY scripts/gpu_check_summary.py "$RES" "$name"; } 2>&1 \
+        | tee -a "$RES/summary.txt"
+    pack
+}
+skip() {  # skip NAME WHY: a step this machine cannot run
+    case ",$WANT," in *",$1,"*) ;; *) return 0 ;; esac
+    echo "$1 skipped: $2" | tee -a "$RES/steps.txt"
+    pack
 }
 
-COMPILE_TEST="tests/train/test_hf_compile.py::test_inductor_fullgraph_moe_block_compact[cuda-bf16]"
-step pytest_cuda 90 $PY -m pytest -q -m cuda tests -p no:cacheprovider --deselect "$COMPILE_TEST" \
-    --junitxml="$RES/pytest_cuda.xml"
-if [ "$gpu" = no-gpu ]; then  # only the plumbing can be checked without a GPU
-    echo "no CUDA GPU: the CUDA tests are skipped and the benchmark runs its --smoke shapes"
-    step bench_grouped_gemm 210 $PY scripts/bench_grouped_gemm.py --smoke --out "$RES"
-else
-    # torch.compile on CUDA (issue 16): inductor, fullgraph, one Qwen3-MoE block (router + lrmoe experts,
-    # compact at drop 0.3) in bf16, output and every gradient vs eager; its own step: a cold compile
-    step compile_cuda 120 $PY -m pytest -q -p no:cacheprovider "$COMPILE_TEST" --junitxml="$RES/compile_cuda.xml"
-    step bench_grouped_gemm 150 $PY scripts/bench_grouped_gemm.py --reps 7 --out "$RES"
-    # the simulator's measured preset (docs/simulator.md): the grouped-GEMM rows fitted onto the published preset
-    base=h200-sxm; case "$gpu" in *H100*) base=h100-sxm ;; esac
-    step sim_preset 20 $PY -m lrmoe.sim.measured "$RES/bench_grouped_gemm_cuda.json" "$RES/$base-measured.json" $base
-    step bench_layer 75 $PY scripts/bench_layer.py --device cuda --repeats 5 --warmup 1 --out "$RES"
-    step bench_gemm_scaling 45 $PY scripts/bench_gemm_scaling.py --device cuda --backend torch --backend triton \
-        --repeats 7 --out "$RES"
-    # training end to end on the GPU: synthetic records (no network), C20, bf16 autocast, Triton experts
-    data=$(mktemp -d)/synthetic_alpaca.json
-    $PY - "$data" <<'SYNEOF'
+# synthetic Alpaca-style records (no network, no `datasets`) for the training step
+data="$RES/synthetic_alpaca.json"
+$PY - "$data" <<'SYNEOF'
 import json, random, sys
 rng = random.Random(0)
-words = [f"w{i}" for i in range(300)]
-recs = [{"instruction": " ".join(rng.choices(words, k=rng.randint(5, 20))), "input": "",
-         "output": " ".join(rng.choices(words, k=rng.randint(10, 60)))} for _ in range(600)]
+words = [f"w{i}" for i in range(2000)]
+recs = [{"instruction": " ".join(rng.choices(words, k=rng.randint(5, 30))), "input": "",
+         "output": " ".join(rng.choices(words, k=rng.randint(20, 200)))} for _ in range(3000)]
 json.dump(recs, open(sys.argv[1], "w"))
 SYNEOF
-    step train_smoke 45 $PY -m lrmoe.cli train --out "$RES/train_smoke" --data "$data" \
-        --model qwen3-moe-tiny --steps 20 --warmup-steps 5 --micro-batch 8 --seq-len 256 --drop-ratio 0.2 \
-        --device cuda --eval-interval 0 --no-progress
+
+COMPILE_TEST="tests/train/test_hf_compile.py::test_inductor_fullgraph_moe_block_compact[cuda-bf16]"
+XDIST=""
+if $PY -c "import xdist" 2>/dev/null; then XDIST="-n 8"; fi  # the cold Triton compiles in parallel
+if [ "$gpu" = no-gpu ]; then  # only the plumbing can be checked without a GPU
+    echo "no CUDA GPU: a dry run of the plumbing (a tiny training step, smoke shapes; the fast step first)"
+    step train_step 60 $PY scripts/gpu_train_step.py --allow-cpu --preset smoke --run qwen3-C20-lrm-s0 --steps 1 \
+        --data "$data" --out "$RES/train_step"
+    step bench_grouped_gemm 120 $PY scripts/bench_grouped_gemm.py --smoke --reps 1 --out "$RES"
+    skip sim_preset "needs the CUDA grouped-GEMM rows"
+    skip bench_layer "needs CUDA"
+    skip compile_cuda "needs CUDA"
+    skip pytest_cuda "needs CUDA"
+    skip bench_gemm_scaling "needs CUDA"
+else
+    step bench_grouped_gemm 110 $PY scripts/bench_grouped_gemm.py --reps 5 --out "$RES"
+    base=h200-sxm; case "$gpu" in *H100*) base=h100-sxm ;; esac
+    step sim_preset 15 $PY -m lrmoe.sim.measured "$RES/bench_grouped_gemm_cuda.json" "$RES/$base-measured.json" $base
+    step bench_layer 55 $PY scripts/bench_layer.py --device cuda --repeats 5 --warmup 1 --out "$RES"
+    step train_step 75 $PY scripts/gpu_train_step.py --preset gpu1 --run qwen3-C20-lrm-s0 --steps 2 \
+        --data "$data" --out "$RES/train_step"
+    step compile_cuda 55 $PY -m pytest -q -p no:cacheprovider "$COMPILE_TEST" --junitxml="$RES/compile_cuda.xml"
+    step pytest_cuda 90 $PY -m pytest -v -m cuda tests -p no:cacheprovider $XDIST --deselect "$COMPILE_TEST" \
+        --junitxml="$RES/pytest_cuda.xml"
+    step bench_gemm_scaling 30 $PY scripts/bench_gemm_scaling.py --device cuda --backend torch --backend triton \
+        --repeats 5 --out "$RES"
 fi
 
-$PY - "$RES" <<'PYEOF' 2>&1 | tee "$RES/summary.txt"
-import json, sys, traceback
-from pathlib import Path
-
-out = Path(sys.argv[1])
-print(f"\n==== GPU check summary ({out}) ====")
-
-
-def section(title, fn):
-    """One part of the summary; a missing or malformed file never hides the others."""
-    try:
-        fn()
-    except Exception:  # noqa: BLE001
-        print(f"[{title}: could not summarise] {traceback.format_exc(limit=1).strip().splitlines()[-1]}")
-
-
-def pytest_cuda():
-    for name, what in (("pytest_cuda", "pytest -m cuda"), ("compile_cuda", "torch.compile block, bf16, vs eager")):
-        log = out / f"{name}.log"
-        lines = [l for l in log.read_text().splitlines() if l.strip()] if log.exists() else []
-        if log.exists() or name == "pytest_cuda":
-            print(f"{what}:", lines[-1] if lines else "(no output)")
-
-
-def grouped_gemm():
-    for f in sorted(out.glob("bench_grouped_gemm_*.json")):
-        d = json.loads(f.read_text())
-        peak = d.get("peak_tflops_measured")
-        print(f"\ngrouped GEMM, {d['dtype']} ({'complete' if d.get('complete') else 'INCOMPLETE'}; measured peak "
-              f"{peak and round(peak)} TFLOP/s; TMA {'FAILED: ' + d['tma_failed'][0][:80] if d.get('tma_failed') else 'ok'}; "
-              f"results checked against F.grouped_mm: {len(d.get('invalid', []))} wrong)")
-        for bad in d.get("invalid", []):
-            print("  WRONG RESULT:", bad)
-        print(f"{'model':14} {'sizes':13} {'pass':6} {'TFLOP/s':>8} {'%peak':>6} {'xF.gmm':>7}")
-        for r in d["passes"]:
-            pct = f"{r['pct_peak']:.0f}" if r.get("pct_peak") else "-"
-            print(f"{r['model']:14} {r['sizes']:13} {r['pass_']:6} {r['triton_tflops']:8.0f} {pct:>6} {r['vs_torch']:7.2f}")
-        for r in d["fused"]:
-            print(f"fused {r['model']:14} {r['sizes']:11} {r['op']:30} x{r['fused_speedup']:.2f} vs gather+triton")
-        for r in d["experts"]:
-            print(f"experts {r['model']:14} {r['sizes']:9} {r['variant']:20} {r['fwd_bwd_ms']:8.2f} ms  x{r['vs_hf']:.3f} of HF")
-        for e in d.get("errors", []):
-            print("ERROR", e[:200])
-        misses = [t for t in d.get("targets", []) if t.startswith("[MISS]")]
-        print(f"targets: {len(d.get('targets', [])) - len(misses)} pass, {len(misses)} miss")
-        for t in misses:
-            print("  " + t)
-
-
-def layer():
-    f = out / "bench_layer_cuda.json"
-    if f.exists():
-        d = json.loads(f.read_text())
-        print("\nlayer benchmark:")
-        for t in d.get("targets", []):
-            print("  " + t)
-
-
-def scaling():
-    f = out / "bench_gemm_scaling_cuda.json"
-    if f.exists():
-        d = json.loads(f.read_text())
-        print(f"\nbackward GEMMs alone vs rows kept (ideal = the fraction; wrong results: {d.get('invalid')}):")
-        for r in d["rows"]:
-            print(f"  {r['shape']:14} {r['backend']:7} {r['fraction']:.2f}  total {r['total_ms']:8.2f} ms  x{r['total_vs_full']:.3f}")
-
-
-def train():
-    f = out / "train_smoke" / "metrics.jsonl"
-    if f.exists():
-        rows = [json.loads(l) for l in f.read_text().splitlines() if l.strip()]
-        steps = [r for r in rows if r.get("loss") is not None]
-        if steps:
-            print(f"\ntraining smoke (GPU, bf16 autocast, C20): {len(steps)} steps, loss {steps[0]['loss']:.3f} -> "
-                  f"{steps[-1]['loss']:.3f}")
-
-
-for title, fn in (("pytest", pytest_cuda), ("grouped GEMM", grouped_gemm), ("layer", layer), ("scaling", scaling),
-                  ("training", train)):
-    section(title, fn)
-print("\nsteps (rc 124/137: stopped by its time limit):")
-print(out.joinpath("steps.txt").read_text().strip())
-PYEOF
+$PY scripts/gpu_check_summary.py "$RES" >"$RES/summary.txt" 2>&1
+cat "$RES/summary.txt"
+pack
+echo "results: $RES ($((SECONDS - T_START))s)"
