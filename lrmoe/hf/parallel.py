@@ -35,7 +35,7 @@ from ..parallel.grad_sync import (broadcast_dense_params, finish_grad_sync, is_e
 from ..parallel.runtime import ExpertParallel, ep_experts
 
 __all__ = ["parallelize_experts", "ep_modules", "clip_grad_norm_", "finish_grad_sync", "broadcast_dense_params",
-           "full_state_dict", "load_full_state_dict", "is_expert_parallel_param"]
+           "full_state_dict", "load_full_state_dict", "shard_state_dict", "is_expert_parallel_param"]
 
 _EP_ATTR = "lrmoe_ep"
 
@@ -130,8 +130,8 @@ def full_state_dict(model: nn.Module) -> dict:
     return sd
 
 
-def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True):
-    """Load a full (unsharded) state dict into a parallelized model: each rank takes its block."""
+def shard_state_dict(model: nn.Module, state_dict: dict) -> dict:
+    """A full (unsharded) state dict cut to a parallelized model: each expert weight to this rank's block."""
     sd = dict(state_dict)
     for mname, m in model.named_modules():
         ep = getattr(m, _EP_ATTR, None)
@@ -139,4 +139,9 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True
             for pname in ("gate_up_proj", "down_proj"):
                 key = f"{mname}.{pname}" if mname else pname
                 sd[key] = ep.shard(sd[key])
-    return model.load_state_dict(sd, strict=strict)
+    return sd
+
+
+def load_full_state_dict(model: nn.Module, state_dict: dict, strict: bool = True):
+    """Load a full (unsharded) state dict into a parallelized model: each rank takes its block."""
+    return model.load_state_dict(shard_state_dict(model, state_dict), strict=strict)

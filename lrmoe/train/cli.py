@@ -55,6 +55,8 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
                            metavar="KEY=VALUE", help=TrainConfig.FIELD_HELP[f.name])
         elif f.name == "sample_layers":
             p.add_argument(flag, type=int, nargs="+", default=None, help=help_)
+        elif str(f.type) == "bool":  # --fsdp / --no-fsdp
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
         else:
             p.add_argument(flag, type=_KINDS[str(f.type)], default=None, help=help_)
 

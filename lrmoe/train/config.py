@@ -74,6 +74,9 @@ class TrainConfig:
     load_concurrency: int = 1
     record_trace: str | None = None
     virtual_ep: int = 1
+    # scale (torchrun; lrmoe.hf.fsdp)
+    fsdp: bool = False
+    offload: str = "none"
 
     FIELD_HELP = {
         "model": "model preset (lrmoe.hf.MODEL_PRESETS)",
@@ -129,6 +132,11 @@ class TrainConfig:
                         "docs/simulator.md): per micro-batch and MoE layer, the [ranks, experts] pair counts the "
                         "runtime all-gathers; written at every checkpoint and at the end, extended on resume (default: "
                         "none; a virtual-EP run writes routing_trace.npz in its run folder)",
+        "fsdp": "shard the dense parameters (and the expert-data-parallel replicas of the experts) over the ranks "
+                "with FSDP2, with mixed precision per dtype (bf16: bf16 compute parameters, fp32 master weights, "
+                "gradient reduction and AdamW state); also a single process (a one-rank group) (lrmoe.hf.fsdp)",
+        "offload": "with fsdp: keep the fp32 master weights, gradients and AdamW state of none, experts or all "
+                   "parameters on the host (FSDP2 CPUOffloadPolicy; the optimizer steps them on the CPU)",
         "load_concurrency": "with ep > 1: how many ranks of a node build or load the full model at the same "
                             "time before sharding its experts (each holds a full fp32 copy meanwhile, about "
                             "4 bytes x parameters; 0: all at once)",
@@ -253,6 +261,16 @@ class TrainConfig:
             raise ValueError(f"record_trace must be a file path or None, got {self.record_trace!r}")
         if isinstance(self.virtual_ep, bool) or not isinstance(self.virtual_ep, int) or self.virtual_ep < 1:
             raise ValueError(f"virtual_ep must be an integer >= 1 (1: off), got {self.virtual_ep!r}")
+        if not isinstance(self.fsdp, bool):
+            raise ValueError(f"fsdp must be true or false, got {self.fsdp!r}")
+        if self.offload not in ("none", "experts", "all"):
+            raise ValueError(f"offload must be one of none, experts, all, got {self.offload!r}")
+        if self.offload != "none" and not self.fsdp:
+            raise ValueError(f"offload={self.offload!r} needs fsdp (FSDP2 keeps the offloaded state on the host): "
+                             f"add --fsdp, or leave offload at 'none'")
+        if self.fsdp and self.virtual_ep > 1:
+            raise ValueError(f"fsdp shards over real ranks; virtual_ep ({self.virtual_ep}) trains one process: "
+                             f"use --ep {self.virtual_ep} under torchrun with --fsdp, or leave fsdp off")
         if self.virtual_ep > 1 and self.ep > 1:
             raise ValueError(f"virtual_ep ({self.virtual_ep}) and ep ({self.ep}) exclude each other: virtual_ep "
                              f"trains one process as G ranks, ep shards over torchrun's processes; set one")

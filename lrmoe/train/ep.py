@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..hf import fsdp
 from ..hf import parallel as ep_hf
 from ..parallel.launch import host_barrier, rank_seed  # rank_seed: re-exported (lrmoe.train.ep.rank_seed)
 from ..parallel.runtime import ExpertParallel
@@ -64,8 +65,8 @@ def world_size_from_env() -> int:
 
 
 def wanted(cfg) -> bool:
-    """True when ``cfg`` asks for expert parallelism or the process runs under torchrun (W > 1)."""
-    return cfg.ep > 1 or world_size_from_env() > 1
+    """True when ``cfg`` asks for expert parallelism or FSDP, or the process runs under torchrun (W > 1)."""
+    return cfg.ep > 1 or cfg.fsdp or world_size_from_env() > 1
 
 
 def torchrun_hint(ep: int) -> str:
@@ -153,10 +154,14 @@ class DistributedRunner:
 
         model = in_turns(build, self.cfg.load_concurrency) if self.env.ep_size > 1 else build()
         ep_hf.broadcast_dense_params(model, src=0)
+        if self.cfg.fsdp:
+            bf16 = self.cfg.dtype == "bf16" or (self.cfg.dtype == "auto" and self.device.type == "cuda")
+            fsdp.shard_model(model, self.env, param_dtype=torch.bfloat16 if bf16 else None, offload=self.cfg.offload)
         return model
 
     def describe(self) -> dict:
         return {"distributed": {"world_size": self.world, "ep": self.env.ep_size, "dp": self.world // self.env.ep_size,
+                                "fsdp": self.cfg.fsdp, "offload": self.cfg.offload,
                                 "backend": self.env.backend, "placement": self.cfg.placement if self.eps else None,
                                 "budget_mib_per_layer": self.cfg.ep_budget_mib if self.eps else None,  # None: unlimited
                                 "options": dict(self.cfg.ep_options) if self.eps else {},
@@ -222,7 +227,11 @@ class DistributedRunner:
         return [ep.last_plan if isinstance(ep.last_plan, list) else [ep.last_plan] for ep in self.eps]
 
     def clip_(self, model, params, clip: float) -> float:
-        """Gradient sync (dense: data parallel; experts: EP) then global-norm clipping; the norm."""
+        """Gradient sync (dense: data parallel; experts: EP) then global-norm clipping; the norm. With
+        FSDP the gradients were reduced in the backward: clipping only."""
+        if self.cfg.fsdp:
+            fsdp.finish_expert_grads(model, self.env.ep_size)
+            return float(fsdp.clip_grad_norm_(model, clip if clip > 0 else math.inf))
         ep_hf.finish_grad_sync(model, self.env.dp_group, self.env.expert_dp_group)
         return float(ep_hf.clip_grad_norm_(model, clip if clip > 0 else math.inf, self.env.ep_group))
 
@@ -254,6 +263,7 @@ class DistributedRunner:
         nothing) and go to the CPU at once, so no GPU ever holds more than one layer's full
         expert weights, and only rank 0's does."""
         sd = model.state_dict()
+        sharded = fsdp.is_sharded(model)
         ep_of = {id(m): ep for m, ep in zip(ep_hf.ep_modules(model), self.eps)}  # both in layer order
         owners = {}
         for mname, m in model.named_modules():
@@ -263,6 +273,8 @@ class DistributedRunner:
                     owners[f"{mname}.{pname}" if mname else pname] = ep
         out = {} if self.is_main else None
         for key, t in sd.items():
+            if sharded:  # FSDP: every rank takes part in the tensor's all-gather (one tensor at a time)
+                t = fsdp.full_tensor(t, self.device)
             ep = owners.get(key)
             if ep is not None and ep.world_size > 1:
                 if 0 not in dist.get_process_group_ranks(ep.group):
@@ -287,8 +299,12 @@ class DistributedRunner:
                 return {**common, "model": full, "world_size": self.world, "ep_size": self.env.ep_size}
         # host barriers: writing hundreds of GB may outlast the collective timeout
         checkpoint.save_sharded(path, common["step"], self.rank,
-                                {"world_size": self.world, "optimizer": opt.state_dict(), "rng": rng_state,
+                                {"world_size": self.world, "optimizer": self.optimizer_state(opt), "rng": rng_state,
                                  "placement_state": [ep.state for ep in self.eps]}, main, host_barrier)
+
+    def optimizer_state(self, opt) -> dict:
+        """This rank's optimizer state (with FSDP: its shards, as plain tensors)."""
+        return fsdp.local_optimizer_state(opt.state_dict()) if self.cfg.fsdp else opt.state_dict()
 
     def load_checkpoint(self, path: Path) -> dict:
         ck = checkpoint.load(path, mmap=True)
@@ -300,12 +316,15 @@ class DistributedRunner:
 
     def load_state(self, path: Path, ck: dict, model, opt, set_rng) -> None:
         """Weights from the main checkpoint, optimizer/RNG/planner state from this rank's file of its set."""
-        if self.eps:
-            ep_hf.load_full_state_dict(model, ck["model"])
+        sd = ep_hf.shard_state_dict(model, ck["model"]) if self.eps else ck["model"]
+        if self.cfg.fsdp:
+            fsdp.load_full_state_dict(model, sd)
         else:
-            model.load_state_dict(ck["model"])
+            model.load_state_dict(sd)
         rs = checkpoint.load_rank_state(path, ck, self.rank)
         opt.load_state_dict(rs["optimizer"])
+        if self.cfg.fsdp:
+            fsdp.restore_optimizer_state(opt)
         set_rng(rs["rng"])
         for ep, st in zip(self.eps, rs.get("placement_state", [])):
             ep.state = st

@@ -1,0 +1,138 @@
+"""`lrmoe train --fsdp`: FSDP2 over the dense parameters (and the experts' data-parallel replicas) with
+the EP runtime, on gloo CPU processes launched by torchrun (qwen3-moe-tiny, the tiny Alpaca sample).
+
+The runs' losses, gradient norms and evaluation equal the single-process run's (the tolerances of
+tests/train/test_ep.py) on 2 processes (ep 2: every expert on one rank) and on 4 (ep 2, two
+expert-data-parallel replicas: FSDP shards each expert block over them); a run stopped after 2
+steps and resumed equals the uninterrupted one exactly; one process with --fsdp (a one-rank group)
+equals the plain run."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lrmoe.data import shared_data_dir
+from lrmoe.train import TrainConfig, read_metrics, train
+
+from .test_ep import ROOT, free_port
+
+TINY = shared_data_dir() / "alpaca" / "alpaca_tiny.json"
+DEADLINE_S = 240
+RUN = dict(model="qwen3-moe-tiny", tokenizer="bpe:300", seq_len=64, micro_batch=4, grad_accum=2, steps=4, lr=3e-3,
+           warmup_steps=1, heldout_fraction=0.1, eval_interval=2, eval_batches=2, checkpoint_interval=2)
+
+
+def flags(d: dict) -> list[str]:
+    out = []
+    for k, v in d.items():
+        flag = "--" + k.replace("_", "-")
+        out += ([flag] if v else ["--no-" + flag[2:]]) if isinstance(v, bool) else [flag, str(v)]
+    return out
+
+
+def torchrun(out: Path, nproc: int, config: dict, *extra: str, env: dict) -> None:
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+           "127.0.0.1", "--master-port", str(free_port()), "-m", "lrmoe.cli", "train", "--out", str(out),
+           "--no-progress", *flags(config), *extra]
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=DEADLINE_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"torchrun did not finish within {DEADLINE_S} s (hang?):\n{e.stderr or ''}")
+    if p.returncode:
+        pytest.fail(f"torchrun exited with {p.returncode}:\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    if not TINY.exists():
+        pytest.fail(f"offline Alpaca sample not found at {TINY} (set LRMOE_SHARED_DATA to the shared/data folder)")
+    base = tmp_path_factory.mktemp("train_fsdp")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HF_DATASETS_CACHE")}
+    env.update(HF_HOME=str(base / "hf"), LRMOE_CACHE=str(base / "cache"), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    data = {"data": str(TINY)}
+    walls = {}
+    with pytest.MonkeyPatch.context() as mp:
+        for k in ("HF_HOME", "LRMOE_CACHE"):
+            mp.setenv(k, env[k])
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            mp.delenv(k, raising=False)
+        t0 = time.perf_counter()
+        train(TrainConfig(**RUN, **data, threads=1), base / "single", progress=False)  # also prepares the data
+        walls["single"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        train(TrainConfig(**RUN, **data, threads=1, fsdp=True), base / "one_rank", progress=False)
+        walls["one_rank"] = time.perf_counter() - t0
+    cfg = dict(RUN, **data, ep=2, placement="fixed", fsdp=True)
+    for name, nproc, extra in (("ep2", 2, ()), ("resumed", 2, ("--stop-after", "2")), ("resumed", 2, ()),
+                               ("ep2_edp2", 4, ())):
+        t0 = time.perf_counter()
+        torchrun(base / name, nproc, cfg, *extra, env=env)
+        walls[name] = walls.get(name, 0.0) + time.perf_counter() - t0
+    print("wall seconds:", {k: round(v, 1) for k, v in walls.items()})
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def metrics(d: Path) -> list[dict]:
+    return read_metrics(d / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("name", ["ep2", "ep2_edp2", "one_rank"])
+def test_fsdp_matches_the_single_process_run(runs, name):
+    single, run = metrics(runs / "single"), metrics(runs / name)
+    assert [r["step"] for r in run] == [1, 2, 3, 4]
+    for a, b in zip(single, run):
+        assert abs(a["loss"] - b["loss"]) < 1e-5, (name, a["step"], a["loss"], b["loss"])
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert b.get("eval_loss", 0.0) == pytest.approx(a.get("eval_loss", 0.0), abs=1e-5)
+        assert b["layers"] == a["layers"]
+    s = json.loads((runs / name / "summary.json").read_text())
+    assert s["status"] == "done" and s["config"]["fsdp"] is True
+    assert s["distributed"]["fsdp"] is True and s["distributed"]["world_size"] == {"ep2": 2, "ep2_edp2": 4,
+                                                                                    "one_rank": 1}[name]
+
+
+def test_fsdp_resume_reproduces_the_uninterrupted_run(runs):
+    full, resumed = metrics(runs / "ep2"), metrics(runs / "resumed")
+    for key in ("loss", "grad_norm", "lr", "epoch", "layers", "eval_loss", "comm_bytes"):
+        assert [r.get(key) for r in full] == [r.get(key) for r in resumed], key
+    assert json.loads((runs / "resumed" / "summary.json").read_text())["resumed_from"] == [2]
+
+
+def test_fsdp_checkpoint_holds_full_weights_and_sharded_optimizer_state(runs):
+    """checkpoint.pt: the full, unsharded weights (8 experts per layer, plain tensors) equal to what a
+    plain EP run would write; each rank file: that rank's optimizer shards as plain tensors."""
+    ck = torch.load(runs / "ep2_edp2" / "checkpoint.pt", map_location="cpu", weights_only=False)
+    gu = [v for k, v in ck["model"].items() if k.endswith("experts.gate_up_proj")]
+    assert len(gu) == 2 and all(v.shape[0] == 8 and type(v) is torch.Tensor for v in gu)
+    emb = ck["model"]["model.embed_tokens.weight"]
+    assert type(emb) is torch.Tensor and emb.shape[0] >= 300
+    states = [torch.load(runs / "ep2_edp2" / f"checkpoint.step4.rank{r}.pt", map_location="cpu",
+                         weights_only=False)["optimizer"]["state"] for r in range(4)]
+    # the embedding's AdamW moment: one quarter of the rows per rank (FSDP's dim-0 shards, padded last)
+    emb_key = next(k for k, st in states[0].items() if st["exp_avg"].shape[1:] == emb.shape[1:]
+                   and st["exp_avg"].shape[0] == -(-emb.shape[0] // 4))
+    assert sum(states[r][emb_key]["exp_avg"].shape[0] for r in range(4)) == emb.shape[0]
+    assert all(type(st["exp_avg"]) is torch.Tensor for s in states for st in s.values())
+
+
+@pytest.mark.parametrize("over,msg", [
+    (dict(offload="experts"), "offload='experts' needs fsdp"),
+    (dict(fsdp=True, offload="gpu"), "offload must be one of none, experts, all"),
+    (dict(fsdp="yes"), "fsdp must be true or false"),
+    (dict(fsdp=True, virtual_ep=2, micro_batch=4), "fsdp shards over real ranks"),
+])
+def test_fsdp_config_errors(over, msg):
+    with pytest.raises(ValueError, match=msg.replace("(", r"\(")):
+        TrainConfig(**over)
