@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# One-GPU check (Hopper, e.g. one H200), in at most 7.5 minutes (445 s, the sum of the steps' limits), with
+# One-GPU check (Hopper, e.g. one H200), in at most 8 minutes (475 s, the sum of the steps' limits), with
 # only what the machine has preinstalled (no network, no `datasets`):
 #
 #   bench_grouped_gemm  Triton grouped GEMM vs F.grouped_mm at both paper models' EP8 rank shapes (bf16)
 #   sim_preset          the simulator's measured preset fitted from those rows (docs/simulator.md)
 #   bench_layer         one MoE layer at Qwen3-30B-A3B's dimensions: C0..C50 compact and mask vs HF
 #   train_step          steps of the gpu1 preset's Qwen3 C20 run: peak memory, host syncs per MoE layer
+#   train_step_fsdp     the same run with --fsdp (FSDP2 on one NCCL rank: bf16 compute, fp32 master weights)
 #   compile_cuda        torch.compile (inductor, fullgraph) of one MoE block vs eager, bf16
 #   pytest_cuda         the CUDA tests (pytest -m cuda; in parallel where pytest-xdist is installed)
 #   bench_gemm_scaling  the backward GEMMs alone vs the fraction of rows kept (the compaction limit)
@@ -30,7 +31,7 @@ export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export TRITON_CACHE_AUTOTUNING=1  # later steps reuse the autotune results of earlier ones
 PY=${PYTHON:-python3}
-ALL_STEPS="bench_grouped_gemm,sim_preset,bench_layer,train_step,compile_cuda,pytest_cuda,bench_gemm_scaling"
+ALL_STEPS="bench_grouped_gemm,sim_preset,bench_layer,train_step,train_step_fsdp,compile_cuda,pytest_cuda,bench_gemm_scaling"
 WANT=${GPU_CHECK_STEPS:-$ALL_STEPS}
 for s in ${WANT//,/ }; do
     case ",$ALL_STEPS," in *",$s,"*) ;; *) echo "unknown step '$s' in GPU_CHECK_STEPS; accepted: $ALL_STEPS" >&2; exit 2 ;; esac
@@ -106,20 +107,23 @@ if [ "$gpu" = no-gpu ]; then  # only the plumbing can be checked without a GPU
     step bench_grouped_gemm 120 $PY scripts/bench_grouped_gemm.py --smoke --reps 1 --out "$RES"
     skip sim_preset "needs the CUDA grouped-GEMM rows"
     skip bench_layer "needs CUDA"
+    skip train_step_fsdp "needs CUDA (NCCL)"
     skip compile_cuda "needs CUDA"
     skip pytest_cuda "needs CUDA"
     skip bench_gemm_scaling "needs CUDA"
 else
-    step bench_grouped_gemm 110 $PY scripts/bench_grouped_gemm.py --reps 5 --out "$RES"
+    step bench_grouped_gemm 100 $PY scripts/bench_grouped_gemm.py --reps 5 --out "$RES"
     base=h200-sxm; case "$gpu" in *H100*) base=h100-sxm ;; esac
     step sim_preset 15 $PY -m lrmoe.sim.measured "$RES/bench_grouped_gemm_cuda.json" "$RES/$base-measured.json" $base
-    step bench_layer 50 $PY scripts/bench_layer.py --device cuda --repeats 5 --warmup 1 --out "$RES"
-    step train_step 100 $PY scripts/gpu_train_step.py --preset gpu1 --run qwen3-C20-lrm-s0 --steps 2 \
+    step bench_layer 45 $PY scripts/bench_layer.py --device cuda --repeats 5 --warmup 1 --out "$RES"
+    step train_step 90 $PY scripts/gpu_train_step.py --preset gpu1 --run qwen3-C20-lrm-s0 --steps 2 \
         --data "$data" --out "$RES/train_step"
-    step compile_cuda 50 $PY -m pytest -q -p no:cacheprovider "$COMPILE_TEST" --junitxml="$RES/compile_cuda.xml"
-    step pytest_cuda 90 $PY -m pytest -v -m cuda tests -p no:cacheprovider $XDIST --deselect "$COMPILE_TEST" \
+    step train_step_fsdp 75 $PY scripts/gpu_train_step.py --preset gpu1 --run qwen3-C20-lrm-s0 --steps 1 \
+        --set fsdp=true --data "$data" --out "$RES/train_step_fsdp"
+    step compile_cuda 45 $PY -m pytest -q -p no:cacheprovider "$COMPILE_TEST" --junitxml="$RES/compile_cuda.xml"
+    step pytest_cuda 80 $PY -m pytest -v -m cuda tests -p no:cacheprovider $XDIST --deselect "$COMPILE_TEST" \
         --junitxml="$RES/pytest_cuda.xml"
-    step bench_gemm_scaling 30 $PY scripts/bench_gemm_scaling.py --device cuda --backend torch --backend triton \
+    step bench_gemm_scaling 25 $PY scripts/bench_gemm_scaling.py --device cuda --backend torch --backend triton \
         --repeats 5 --out "$RES"
 fi
 

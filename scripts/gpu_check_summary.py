@@ -87,13 +87,14 @@ def bench_gemm_scaling(out: Path):
               f"x{r['total_vs_full']:.3f}")
 
 
-def train_step(out: Path):
-    f = out / "train_step" / "gpu_train_step.json"
+def train_step(out: Path, name: str = "train_step"):
+    f = out / name / "gpu_train_step.json"
     if not f.exists():
-        print("training step: no JSON written;", _log_tail(out, "train_step"))
+        print(f"{name}: no JSON written;", _log_tail(out, name))
         return
     d = json.loads(f.read_text())
-    print(f"training step, {d['preset']} {d['run']} on {d.get('device')} ({'complete' if d.get('complete') else 'INCOMPLETE'};"
+    fsdp = " --fsdp" if d.get("config", {}).get("fsdp") else ""
+    print(f"training step, {d['preset']} {d['run']}{fsdp} on {d.get('device')} ({'complete' if d.get('complete') else 'INCOMPLETE'};"
           f" {d.get('parameters', 0) / 1e9:.2f} B parameters, {d.get('moe_layers')} MoE layers; estimate: "
           f"{d.get('estimate')}):")
     for s in d.get("steps", []):
@@ -112,6 +113,7 @@ def train_step(out: Path):
 
 STEPS = {"pytest_cuda": pytest_cuda, "compile_cuda": compile_cuda, "bench_grouped_gemm": bench_grouped_gemm,
          "sim_preset": sim_preset, "bench_layer": bench_layer, "train_step": train_step,
+         "train_step_fsdp": lambda out: train_step(out, "train_step_fsdp"),
          "bench_gemm_scaling": bench_gemm_scaling}
 
 

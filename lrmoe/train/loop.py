@@ -256,8 +256,11 @@ class Trainer:
                              f"(accepted: {-n_moe}..{n_moe - 1})")
         self.sampled = sorted({i % n_moe for i in cfg.sample_layers})
 
+        # fused AdamW on CUDA (one kernel per step instead of a copy per parameter); the CPU keeps the
+        # plain (foreach) AdamW, whose numbers the committed CPU results were trained with
         self.opt = torch.optim.AdamW(_param_groups(self.model, cfg.weight_decay), lr=cfg.lr,
-                                     betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+                                     betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                     fused=True if device.type == "cuda" else None)
         self.params = [p for g in self.opt.param_groups for p in g["params"]]  # what the clip sees, every step
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s, cfg))
         self.stream = BatchStream(len(self.train_set), cfg.seed)

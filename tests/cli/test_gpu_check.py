@@ -41,7 +41,7 @@ def test_dry_run_brings_back_every_step(tmp_path):
     steps = (out / "steps.txt").read_text().splitlines()
     # every step is accounted for: ran (with its rc) or skipped with a reason
     assert [s.split()[0] for s in steps] == ["train_step", "bench_grouped_gemm", "sim_preset", "bench_layer",
-                                             "compile_cuda", "pytest_cuda", "bench_gemm_scaling"]
+                                             "train_step_fsdp", "compile_cuda", "pytest_cuda", "bench_gemm_scaling"]
     assert "train_step rc=0" in steps[0] and "bench_grouped_gemm rc=0" in steps[1]
     assert all("skipped: " in s for s in steps if s.split()[0] not in ("bench_grouped_gemm", "train_step"))
     res = json.loads((tmp_path / "res" / "run" / "train_step" / "gpu_train_step.json").read_text())
