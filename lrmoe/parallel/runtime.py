@@ -56,6 +56,7 @@ from torch import nn
 
 from ..experts import autocast_inputs, autocast_off, check_routing_shapes, experts_activation
 from ..policy import MODES, BackwardPolicy, BackwardRecord, check_policy
+from ..recompute import recomputing
 from ..planning.plan import Cluster, ModelDims, Plan, check_budget
 from ..planning.policies import get_placement, plan_placement
 from ..planning.step import plan_layer
@@ -300,6 +301,8 @@ def ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weig
                 policy.scorer, policy.quota, ep.cluster.slots_per_rank,
                 (sorted(policy.quota_kwargs.items()), sorted(policy.scorer_kwargs.items()), policy.phi, policy.selection),
                 ep.planner_signature(), act_key]
+    if recomputing():  # activation checkpointing's second forward: the first one's plan, no planning
+        return _rerun(hidden_TH, idx, top_k_weights_TK, gate_up_proj, down_proj, ep, policy, activation)
     demand_GE = gather_demand(ep, torch.bincount(idx.reshape(-1), minlength=E), header, readable)
     dims = ep.dims(H, I, K, gate_up_proj.element_size())
     prev_state = ep.state
@@ -340,6 +343,21 @@ def ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weig
                          piece_s, activation))
     ep.last_plan = plans
     return torch.cat(outs)
+
+
+def _rerun(hidden_TH, idx, w_TK, gate_up, down, ep, policy, activation):
+    """The recompute of a checkpointed forward (:mod:`lrmoe.recompute`): the pieces of the layer's last
+    plan, run again on the same tokens; no demand collective, no planning, no state, no record (the
+    backward runs the first forward's graph, whose record it fills)."""
+    plans = ep.last_plan if isinstance(ep.last_plan, list) else [ep.last_plan]
+    if plans[0] is None:
+        raise RuntimeError("activation checkpointing recomputes an expert-parallel layer that has no plan: "
+                           "the recompute must follow this layer's forward")
+    T, n = idx.shape[0], len(plans)
+    bounds = [T * j // n for j in range(n + 1)]
+    outs = [_run(hidden_TH[a:b], idx[a:b], w_TK[a:b], gate_up, down, ep, p, policy, None, 0.0, activation)
+            for p, a, b in zip(plans, bounds, bounds[1:])]
+    return outs[0] if n == 1 else torch.cat(outs)
 
 
 def activation_key(activation) -> str:

@@ -77,6 +77,7 @@ class TrainConfig:
     # scale (torchrun; lrmoe.hf.fsdp)
     fsdp: bool = False
     offload: str = "none"
+    activation_checkpointing: bool = False
 
     FIELD_HELP = {
         "model": "model preset (lrmoe.hf.MODEL_PRESETS)",
@@ -137,6 +138,9 @@ class TrainConfig:
                 "gradient reduction and AdamW state); also a single process (a one-rank group) (lrmoe.hf.fsdp)",
         "offload": "with fsdp: keep the fp32 master weights, gradients and AdamW state of none, experts or all "
                    "parameters on the host (FSDP2 CPUOffloadPolicy; the optimizer steps them on the CPU)",
+        "activation_checkpointing": "keep only each decoder layer's input in the forward and recompute the layer in "
+                                    "the backward (torch.utils.checkpoint, non-reentrant; the recompute reuses the "
+                                    "layer's plan and selects the same pairs) (lrmoe.hf.checkpointing)",
         "load_concurrency": "with ep > 1: how many ranks of a node build or load the full model at the same "
                             "time before sharding its experts (each holds a full fp32 copy meanwhile, about "
                             "4 bytes x parameters; 0: all at once)",
@@ -268,6 +272,11 @@ class TrainConfig:
         if self.offload != "none" and not self.fsdp:
             raise ValueError(f"offload={self.offload!r} needs fsdp (FSDP2 keeps the offloaded state on the host): "
                              f"add --fsdp, or leave offload at 'none'")
+        if not isinstance(self.activation_checkpointing, bool):
+            raise ValueError(f"activation_checkpointing must be true or false, got {self.activation_checkpointing!r}")
+        if self.activation_checkpointing and self.virtual_ep > 1:
+            raise ValueError(f"activation_checkpointing is not supported with virtual_ep ({self.virtual_ep}), a "
+                             f"one-process simulation of EP on the CPU: leave one of them off")
         if self.fsdp and self.virtual_ep > 1:
             raise ValueError(f"fsdp shards over real ranks; virtual_ep ({self.virtual_ep}) trains one process: "
                              f"use --ep {self.virtual_ep} under torchrun with --fsdp, or leave fsdp off")

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..hf import fsdp
+from ..hf.checkpointing import checkpoint_layers
 from ..hf import parallel as ep_hf
 from ..parallel.launch import host_barrier, rank_seed  # rank_seed: re-exported (lrmoe.train.ep.rank_seed)
 from ..parallel.runtime import ExpertParallel
@@ -154,6 +155,8 @@ class DistributedRunner:
 
         model = in_turns(build, self.cfg.load_concurrency) if self.env.ep_size > 1 else build()
         ep_hf.broadcast_dense_params(model, src=0)
+        if self.cfg.activation_checkpointing:  # before FSDP: its hooks stay around each layer's call
+            checkpoint_layers(model)
         if self.cfg.fsdp:
             bf16 = self.cfg.dtype == "bf16" or (self.cfg.dtype == "auto" and self.device.type == "cuda")
             fsdp.shard_model(model, self.env, param_dtype=torch.bfloat16 if bf16 else None, offload=self.cfg.offload)
@@ -162,6 +165,7 @@ class DistributedRunner:
     def describe(self) -> dict:
         return {"distributed": {"world_size": self.world, "ep": self.env.ep_size, "dp": self.world // self.env.ep_size,
                                 "fsdp": self.cfg.fsdp, "offload": self.cfg.offload,
+                                "activation_checkpointing": self.cfg.activation_checkpointing,
                                 "backend": self.env.backend, "placement": self.cfg.placement if self.eps else None,
                                 "budget_mib_per_layer": self.cfg.ep_budget_mib if self.eps else None,  # None: unlimited
                                 "options": dict(self.cfg.ep_options) if self.eps else {},

@@ -35,6 +35,7 @@ class LocalRunner:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.device = resolve_device(cfg.device)
+        self.activation_checkpointing = cfg.activation_checkpointing
 
     @staticmethod
     def load_data(cfg, progress: bool = True):
@@ -45,7 +46,12 @@ class LocalRunner:
         return policy
 
     def build_model(self, make, policy):
-        return make().to(self.device)
+        model = make().to(self.device)
+        if self.activation_checkpointing:
+            from ..hf.checkpointing import checkpoint_layers
+
+            checkpoint_layers(model)
+        return model
 
     def describe(self) -> dict:
         return {}

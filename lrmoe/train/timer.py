@@ -18,6 +18,7 @@ import torch
 from ..experts import SelectiveExperts
 from ..parallel.function import EPExperts
 from ..parallel.virtual import VirtualEPExperts
+from ..recompute import recomputing
 
 
 def experts_functions() -> tuple[type, ...]:
@@ -56,7 +57,7 @@ class MoETimer:
         return time.perf_counter()
 
     def _pre(self, module, args):
-        if self.enabled:
+        if self.enabled and not recomputing():  # activation checkpointing's recompute is not the layer's forward
             self._starts.append(self._mark())
 
     def experts_node(self, node):
@@ -71,7 +72,7 @@ class MoETimer:
         return None
 
     def _post(self, module, args, out):
-        if not self.enabled or not self._starts:
+        if not self.enabled or not self._starts or recomputing():
             return
         start, end = self._starts.pop(), self._mark()
         self._add(self._fwd_events, "fwd", start, end)

@@ -13,7 +13,8 @@ PACKAGES = ("lrmoe", "baselines", "paper_figures", "ablations")
 
 # bottom to top; a module belongs to the layer of its longest matching prefix.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("lrmoe.registry", "lrmoe.files", "lrmoe.environment", "lrmoe.run_folder", "lrmoe.stats")),
+    ("base", ("lrmoe.registry", "lrmoe.files", "lrmoe.environment", "lrmoe.run_folder", "lrmoe.stats",
+              "lrmoe.recompute")),
     ("planning", ("lrmoe.planning", "baselines")),
     ("sim", ("lrmoe.sim",)),
     ("kernels", ("lrmoe.kernels",)),
@@ -32,7 +33,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 # Modules that must import without torch (the planners and everything the simulator needs).
 # ``lrmoe`` itself (the lazy facade) and every module under the other prefixes.
 TORCH_FREE = ("lrmoe.registry", "lrmoe.files", "lrmoe.environment", "lrmoe.run_folder", "lrmoe.stats",
-              "lrmoe.planning", "baselines", "lrmoe.sim")
+              "lrmoe.recompute", "lrmoe.planning", "baselines", "lrmoe.sim")
 
 
 def torch_free_modules() -> list[str]:

@@ -74,10 +74,12 @@ def runs(tmp_path_factory):
         train(TrainConfig(**RUN, **data, threads=1, fsdp=True), base / "one_rank", progress=False)
         walls["one_rank"] = time.perf_counter() - t0
     cfg = dict(RUN, **data, ep=2, placement="fixed", fsdp=True)
-    for name, nproc, extra in (("ep2", 2, ()), ("resumed", 2, ("--stop-after", "2")), ("resumed", 2, ()),
-                               ("ep2_edp2", 4, ())):
+    symi = dict(RUN, **data, ep=2, placement="symi", drop_ratio=0.2)
+    for name, nproc, c, extra in (("ep2", 2, cfg, ()), ("resumed", 2, cfg, ("--stop-after", "2")),
+                                  ("resumed", 2, cfg, ()), ("ep2_edp2", 4, cfg, ()), ("symi", 2, symi, ()),
+                                  ("symi_fsdp_ac", 2, dict(symi, fsdp=True, activation_checkpointing=True), ())):
         t0 = time.perf_counter()
-        torchrun(base / name, nproc, cfg, *extra, env=env)
+        torchrun(base / name, nproc, c, *extra, env=env)
         walls[name] = walls.get(name, 0.0) + time.perf_counter() - t0
     print("wall seconds:", {k: round(v, 1) for k, v in walls.items()})
     yield base
@@ -101,6 +103,20 @@ def test_fsdp_matches_the_single_process_run(runs, name):
     assert s["status"] == "done" and s["config"]["fsdp"] is True
     assert s["distributed"]["fsdp"] is True and s["distributed"]["world_size"] == {"ep2": 2, "ep2_edp2": 4,
                                                                                     "one_rank": 1}[name]
+
+
+def test_activation_checkpointing_reuses_the_plan_on_ep_ranks(runs):
+    """SYMI at C20 on 2 ranks, with FSDP and activation checkpointing against without either: the
+    recompute plans nothing (the same plans, so SYMI's popularity advanced once per forward), keeps the
+    same pairs and sends the same bytes (the recompute's all-to-alls are not counted again)."""
+    plain, ac = metrics(runs / "symi"), metrics(runs / "symi_fsdp_ac")
+    assert [r["step"] for r in ac] == [1, 2, 3, 4]
+    for a, b in zip(plain, ac):
+        assert abs(a["loss"] - b["loss"]) < 1e-5 and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert b["plans"] == a["plans"] and b["layers"] == a["layers"] and b["comm_bytes"] == a["comm_bytes"]
+        assert b["kept_fraction"] == a["kept_fraction"] < 0.9  # SYMI's forward drops and C20: a real selection
+    s = json.loads((runs / "symi_fsdp_ac" / "summary.json").read_text())
+    assert s["distributed"]["activation_checkpointing"] is True and s["config"]["activation_checkpointing"] is True
 
 
 def test_fsdp_resume_reproduces_the_uninterrupted_run(runs):
