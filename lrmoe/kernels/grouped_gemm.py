@@ -192,8 +192,8 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *, 
     optionally with fused gather (``a_index``, ``b_index``) and scatter (``out_index``, ``out``,
     ``accumulate``).
 
-    Not differentiable by itself (except the compiled triton path's operator): the experts
-    function owns the backward and calls this op for every GEMM of it."""
+    Not differentiable in eager (only the triton path's operator under torch.compile is): the
+    experts function owns the backward and calls this op for every GEMM of it."""
     check_grouped_mm_args(mat_a, mat_b, offs, a_index=a_index, b_index=b_index)
     auto = backend == "auto"
     backend = resolve_backend(backend, mat_a, mat_b)

@@ -143,7 +143,9 @@ def test_compiled_fullgraph_dispatch_runs_the_op(mode, indexed):
     the launcher and raise Unsupported; now the graph calls the operator, and the forward equals
     eager (the fused kernels) and the gradients autograd over the loop."""
     a, b, offs, a_index, b_index = operands(mode, indexed, "empty", requires_grad=True)
-    fn = lambda a, b: grouped_gemm.grouped_mm(a, b, offs, backend="triton", a_index=a_index, b_index=b_index)  # noqa: E731
+
+    def fn(a, b):
+        return grouped_gemm.grouped_mm(a, b, offs, backend="triton", a_index=a_index, b_index=b_index)
     graphs = []
     out = torch.compile(fn, fullgraph=True, backend=recording_aot_eager(graphs))(a, b)
     assert sum(op_calls(gm) for gm in graphs) == 1
