@@ -1,4 +1,5 @@
-"""Tensor ops only (no autograd, no modules): grouped GEMM and pair bookkeeping.
+"""Tensor ops only (no modules; no autograd but the compiled Triton GEMM operator's formula): grouped GEMM
+and pair bookkeeping.
 
 Every op has a fast implementation and a plain reference loop next to it (the test oracle)."""
 from .grouped_gemm import BACKENDS, grouped_mm, grouped_mm_loop

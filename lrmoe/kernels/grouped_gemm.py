@@ -34,7 +34,11 @@ repeated ``out_index`` are a ValueError for CPU tensors, and on accelerators und
 
 Under ``torch.compile`` the value checks are skipped, alignment is decided by strides only, and a
 call that would run ``loop``, or ``torch`` with other operands than bf16 (the only dtype of the
-compiled F.grouped_mm), runs the opaque custom operator ``lrmoe::grouped_mm_loop`` instead.
+compiled F.grouped_mm), runs the opaque custom operator ``lrmoe::grouped_mm_loop`` instead. A call
+that resolves to ``triton`` runs the opaque ``lrmoe::triton_grouped_mm`` (the same kernels, gather
+fused; rows past ``offs[-1]`` zero) and applies ``out_index`` / ``out`` / ``accumulate`` afterwards
+with torch ops, as the reference path does; that operator has an autograd formula (itself again).
+Outside compile nothing changes.
 """
 from __future__ import annotations
 
@@ -162,6 +166,24 @@ def resolve_backend(backend: str, mat_a: torch.Tensor, mat_b: torch.Tensor) -> s
     return auto_backend(mat_a.device, mat_a.dtype, torch_backend_ok(mat_a, mat_b))
 
 
+def _reference(mat_a, mat_b, offs, backend: str, auto: bool, a_index, b_index) -> torch.Tensor:
+    """The torch and loop backends: explicit gather into contiguous buffers, then the GEMM."""
+    if a_index is not None:
+        mat_a = mat_a.index_select(0, a_index) if mat_b.dim() == 3 else mat_a.index_select(1, a_index)
+    if b_index is not None:
+        mat_b = mat_b.index_select(0, b_index)
+    if backend == "torch" and auto and not torch_backend_ok(mat_a, mat_b):
+        backend = "loop"  # the gathered operands no longer qualify for F.grouped_mm
+    if compiling() and (backend == "loop" or not torch_backend_ok(mat_a, mat_b)):
+        return grouped_mm_loop_op(mat_a, mat_b, offs)  # same products as the loop and F.grouped_mm
+    if backend == "loop":
+        return grouped_mm_loop(mat_a, mat_b, offs)
+    if not torch_backend_ok(mat_a, mat_b):
+        raise ValueError(f"backend='torch' needs fp32/bf16/fp16 operands with 16-byte aligned strides, got "
+                         f"{mat_a.dtype} with strides {mat_a.stride()} and {mat_b.stride()}; use backend='auto'")
+    return grouped_mm_torch(mat_a, mat_b, offs)
+
+
 def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *, backend: str = "auto",
                a_index: torch.Tensor | None = None, b_index: torch.Tensor | None = None,
                out_index: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -170,35 +192,25 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *, 
     optionally with fused gather (``a_index``, ``b_index``) and scatter (``out_index``, ``out``,
     ``accumulate``).
 
-    Not differentiable by itself: the experts function owns the backward and calls this op for
-    every GEMM of it."""
+    Not differentiable in eager (only the triton path's operator under torch.compile is): the
+    experts function owns the backward and calls this op for every GEMM of it."""
     check_grouped_mm_args(mat_a, mat_b, offs, a_index=a_index, b_index=b_index)
     auto = backend == "auto"
     backend = resolve_backend(backend, mat_a, mat_b)
+    tgg = None
     if backend == "triton":  # the wrapper runs the same checks (lrmoe.kernels.checks)
         tgg = triton_module()
         if tgg is None:
             raise ValueError(f"backend='triton' needs the Triton grouped GEMM, which failed to import "
                              f"({TRITON_IMPORT_ERROR[0][:300]}); accepted backends here: auto, torch, loop")
-        return tgg.grouped_mm(mat_a, mat_b, offs, a_index=a_index, b_index=b_index, out_index=out_index, out=out,
-                              accumulate=accumulate)
+        if not compiling():
+            return tgg.grouped_mm(mat_a, mat_b, offs, a_index=a_index, b_index=b_index, out_index=out_index, out=out,
+                                  accumulate=accumulate)
     check_call(mat_a, mat_b, offs, a_index, b_index, out_index, out, accumulate)
-    # Reference path for the fused indices: explicit gather into contiguous buffers.
-    if a_index is not None:
-        mat_a = mat_a.index_select(0, a_index) if mat_b.dim() == 3 else mat_a.index_select(1, a_index)
-    if b_index is not None:
-        mat_b = mat_b.index_select(0, b_index)
-    if backend == "torch" and auto and not torch_backend_ok(mat_a, mat_b):
-        backend = "loop"  # the gathered operands no longer qualify for F.grouped_mm
-    if compiling() and (backend == "loop" or not torch_backend_ok(mat_a, mat_b)):
-        res = grouped_mm_loop_op(mat_a, mat_b, offs)  # same products as the loop and F.grouped_mm
-    elif backend == "loop":
-        res = grouped_mm_loop(mat_a, mat_b, offs)
+    if tgg is not None:  # compiled: the opaque operator (gather fused), then the scatter below
+        res = tgg.grouped_mm_op(mat_a, mat_b, offs, a_index, b_index)
     else:
-        if not torch_backend_ok(mat_a, mat_b):
-            raise ValueError(f"backend='torch' needs fp32/bf16/fp16 operands with 16-byte aligned strides, got "
-                             f"{mat_a.dtype} with strides {mat_a.stride()} and {mat_b.stride()}; use backend='auto'")
-        res = grouped_mm_torch(mat_a, mat_b, offs)
+        res = _reference(mat_a, mat_b, offs, backend, auto, a_index, b_index)
     if out is None and out_index is None:
         return res
     if out is None:

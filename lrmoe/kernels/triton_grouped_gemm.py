@@ -31,6 +31,10 @@ loads the weights (3-D descriptor: a K tail is zero-filled, never the next exper
 A rows through TMA descriptors, falling back to pointer loads if they fail to compile.
 See docs/kernels.md.
 
+:func:`grouped_mm` is not traceable by ``torch.compile`` (data pointers, autotuning, warnings);
+:data:`grouped_mm_op` (``lrmoe::triton_grouped_mm``) wraps it, gather only, as an opaque custom
+operator with a shape-only fake kernel and an autograd formula, for compiled regions.
+
 Runs on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1`` (set before this module is imported),
 where bf16/fp16 operands are cast to fp32 before ``tl.dot`` (the interpreter's low-precision dot is
 wrong) and a single autotune config is used.
@@ -313,3 +317,61 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *,
         *mat_a.stride(), *mat_b.stride(), *out.stride(),
         HAS_A_IDX=a_index is not None, HAS_B_IDX=b_index is not None, ACCUMULATE=accumulate, **flags)
     return out
+
+
+# The launcher above reads data pointers, autotunes and may warn: torch.compile cannot trace it. Inside a
+# compiled region the dispatcher (lrmoe.kernels.grouped_gemm) calls this opaque operator instead: the
+# gather fused as in eager, the scatter (out_index, out, accumulate) left to plain torch ops. Its
+# autograd formula is the same operator again (so compiled code that differentiates through a grouped
+# GEMM sees one op forward and two backward, each with its gather/scatter).
+@torch.library.custom_op("lrmoe::triton_grouped_mm", mutates_args=())
+def grouped_mm_op(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, a_index: torch.Tensor | None = None,
+                  b_index: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`grouped_mm` with the gather only, as a custom operator returning a new tensor. Rows of
+    a row split's output past ``offs[-1]`` are zero (as in the loop backend), not uninitialised."""
+    out = None
+    if mat_b.dim() == 3:
+        M = a_index.numel() if a_index is not None else mat_a.shape[0]
+        out = mat_a.new_zeros(M, mat_b.shape[2])
+    return grouped_mm(mat_a, mat_b, offs, a_index=a_index, b_index=b_index, out=out)
+
+
+@grouped_mm_op.register_fake
+def _grouped_mm_op_fake(mat_a, mat_b, offs, a_index=None, b_index=None):
+    if mat_b.dim() == 3:
+        M = a_index.shape[0] if a_index is not None else mat_a.shape[0]
+        return mat_a.new_empty(M, mat_b.shape[2])
+    return mat_a.new_empty(offs.shape[0], mat_a.shape[0], mat_b.shape[1])
+
+
+def _setup_context(ctx, inputs, output):
+    mat_a, mat_b, offs, a_index, b_index = inputs
+    ctx.save_for_backward(mat_a, mat_b, offs, a_index, b_index)
+
+
+def _scatter_rows(rows: torch.Tensor, index: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``rows`` (logical rows) summed into ``n`` physical rows through ``index`` (identity without)."""
+    if index is None:
+        return rows
+    return rows.new_zeros(n, rows.shape[1]).index_add_(0, index, rows)
+
+
+def _backward(ctx, grad):
+    mat_a, mat_b, offs, a_index, b_index = ctx.saved_tensors
+    need_a, need_b = ctx.needs_input_grad[:2]
+    grad_a = grad_b = None
+    if mat_b.dim() == 3:  # out[seg_g] = A[seg_g] @ B[g]
+        if need_a:  # dA[seg_g] = dOut[seg_g] @ B[g]^T
+            grad_a = _scatter_rows(grouped_mm_op(grad, mat_b.transpose(1, 2), offs), a_index, mat_a.shape[0])
+        if need_b:  # dB[g] = A[seg_g]^T @ dOut[seg_g]
+            grad_b = grouped_mm_op(mat_a.t(), grad, offs, a_index)
+    else:  # out[g] = A[:, seg_g] @ B[seg_g]
+        if need_a:  # dA[:, seg_g]^T = B[seg_g] @ dOut[g]^T
+            grad_a = _scatter_rows(grouped_mm_op(mat_b, grad.transpose(1, 2), offs, b_index), a_index,
+                                   mat_a.shape[1]).t()
+        if need_b:  # dB[seg_g] = A[:, seg_g]^T @ dOut[g]
+            grad_b = _scatter_rows(grouped_mm_op(mat_a.t(), grad, offs, a_index), b_index, mat_b.shape[0])
+    return grad_a, grad_b, None, None, None
+
+
+grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
