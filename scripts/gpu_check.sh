@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# One-GPU check (Hopper, e.g. one H200), in at most 8 minutes (475 s, the sum of the steps' limits), with
+# One-GPU check (Hopper, e.g. one H200), in at most 8 minutes (480 s, the sum of the steps' limits), with
 # only what the machine has preinstalled (no network, no `datasets`):
 #
 #   bench_grouped_gemm  Triton grouped GEMM vs F.grouped_mm at both paper models' EP8 rank shapes (bf16)
 #   sim_preset          the simulator's measured preset fitted from those rows (docs/simulator.md)
 #   bench_layer         one MoE layer at Qwen3-30B-A3B's dimensions: C0..C50 compact and mask vs HF
 #   train_step          steps of the gpu1 preset's Qwen3 C20 run: peak memory, host syncs per MoE layer
-#   train_step_fsdp     the same run with --fsdp (FSDP2 on one NCCL rank: bf16 compute, fp32 master weights)
-#   compile_cuda        torch.compile (inductor, fullgraph) of one MoE block vs eager, bf16
+#   train_step_fsdp     the same run with --fsdp --activation-checkpointing (FSDP2 on one NCCL rank: bf16
+#                       compute, fp32 master weights; every decoder layer recomputed in the backward)
+#   compile_cuda        torch.compile (inductor, fullgraph) of one MoE block vs eager, bf16; the Triton
+#                       grouped GEMM's custom op compiled (fullgraph) vs eager
 #   pytest_cuda         the CUDA tests (pytest -m cuda; in parallel where pytest-xdist is installed)
 #   bench_gemm_scaling  the backward GEMMs alone vs the fraction of rows kept (the compaction limit)
 #
@@ -99,7 +101,7 @@ SYNEOF
 
 COMPILE_TEST="tests/train/test_hf_compile.py::test_inductor_fullgraph_moe_block_compact[cuda-bf16]"
 XDIST=""
-if $PY -c "import xdist" 2>/dev/null; then XDIST="-n 8"; fi  # the cold Triton compiles in parallel
+if $PY -c "import xdist" 2>/dev/null; then XDIST="-n 6"; fi  # the cold Triton compiles in parallel
 if [ "$gpu" = no-gpu ]; then  # only the plumbing can be checked without a GPU
     echo "no CUDA GPU: a dry run of the plumbing (a tiny training step, smoke shapes; the fast step first)"
     step train_step 60 $PY scripts/gpu_train_step.py --allow-cpu --preset smoke --run qwen3-C20-lrm-s0 --steps 1 \
@@ -119,11 +121,12 @@ else
     step train_step 90 $PY scripts/gpu_train_step.py --preset gpu1 --run qwen3-C20-lrm-s0 --steps 2 \
         --data "$data" --out "$RES/train_step"
     step train_step_fsdp 75 $PY scripts/gpu_train_step.py --preset gpu1 --run qwen3-C20-lrm-s0 --steps 1 \
-        --set fsdp=true --data "$data" --out "$RES/train_step_fsdp"
-    step compile_cuda 45 $PY -m pytest -q -p no:cacheprovider "$COMPILE_TEST" --junitxml="$RES/compile_cuda.xml"
-    step pytest_cuda 80 $PY -m pytest -v -m cuda tests -p no:cacheprovider $XDIST --deselect "$COMPILE_TEST" \
+        --set fsdp=true --set activation_checkpointing=true --data "$data" --out "$RES/train_step_fsdp"
+    step compile_cuda 60 $PY -m pytest -v -p no:cacheprovider $XDIST "$COMPILE_TEST" \
+        tests/kernels/test_triton_custom_op.py -k "inductor or compiled" --junitxml="$RES/compile_cuda.xml"
+    step pytest_cuda 75 $PY -m pytest -v -m cuda tests -p no:cacheprovider $XDIST --deselect "$COMPILE_TEST" \
         --junitxml="$RES/pytest_cuda.xml"
-    step bench_gemm_scaling 25 $PY scripts/bench_gemm_scaling.py --device cuda --backend torch --backend triton \
+    step bench_gemm_scaling 20 $PY scripts/bench_gemm_scaling.py --device cuda --backend torch --backend triton \
         --repeats 5 --out "$RES"
 fi
 
