@@ -64,7 +64,8 @@ from ..files import write_json
 from ..run_folder import METRICS, SUMMARY, read_summary, run_folder_lock
 from . import checkpoint
 from .config import TrainConfig, config_differences
-from .evaluate import evaluate, label_tokens, token_loss
+from .evaluate import evaluate
+from .loss import causal_lm_loss, label_tokens
 from .metrics import METRIC_KEYS, MetricsLog, summary_of_metrics
 from .plan_log import PlanLog, routing_counts
 from .runner import LocalRunner
@@ -384,10 +385,8 @@ class Trainer:
         plan_log = PlanLog()
         for b in runner.local_batches(batches):  # EP: this rank's rows of every micro-batch
             b = {k: v.to(device, non_blocking=True) for k, v in b.items()}
-            with self.autocast():
-                logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"],
-                               use_cache=False).logits  # block-causal mask over packed documents
-            loss_sum, _ = token_loss(logits, b["labels"])
+            with self.autocast():  # the loss chunked at scale (lrmoe.train.loss)
+                loss_sum, _ = causal_lm_loss(model, b["input_ids"], b["position_ids"], b["labels"])
             loss = loss_sum / max(1, n_label)
             runner.backward(loss)
             loss_total += float(loss.detach())
@@ -397,7 +396,7 @@ class Trainer:
                 plan_log.add(plans)
                 if self.trace is not None:
                     self.trace.add(routing_counts(plans), self.model.config.num_experts_per_tok)
-            del logits, loss, loss_sum
+            del loss, loss_sum
         timer.enabled = False
         # EP: sums over the ranks (the per-rank records hold this rank's pairs only)
         loss_total, kept, layer_stats, nonfinite, extra = runner.reduce_step(
