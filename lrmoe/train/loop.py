@@ -61,6 +61,7 @@ import torch
 from .. import hf
 from ..environment import environment
 from ..files import write_json
+from ..hf.attention import attention_for
 from ..run_folder import METRICS, SUMMARY, read_summary, run_folder_lock
 from . import checkpoint
 from .config import TrainConfig, config_differences
@@ -305,6 +306,10 @@ class Trainer:
                 raise ValueError(f"model_overrides vocab_size={built['overrides']['vocab_size']} is smaller than the "
                                  f"tokenizer {cfg.tokenizer!r} ({vocab} tokens); leave it out (it follows the tokenizer)")
             model = hf.build_model(cfg.model, policy=policy, seed=cfg.seed, **built["overrides"])
+        attention = attention_for(self.device)  # flex attention on CUDA, sdpa on the CPU (lrmoe.hf.attention)
+        if model.config._attn_implementation != attention:
+            model.set_attn_implementation(attention)
+        built["attention"] = attention
         mods = hf.experts_modules(model)  # counted before the experts are sharded
         # the family of what was built or loaded (an init_from checkpoint may not be the preset's)
         built["family"] = getattr(model.config, "model_type", None) or hf.MODEL_PRESETS[cfg.model].family
@@ -343,7 +348,7 @@ class Trainer:
                 "model": {"preset": cfg.model, "family": built["family"],
                           "parameters": built["parameters"], "moe_layers": self.n_moe, "experts": built["experts"],
                           "sampled_layers": self.sampled, "vocab_size": self.vocab, "overrides": built["overrides"],
-                          "autocast_bf16": self.use_bf16},
+                          "autocast_bf16": self.use_bf16, "attention": built["attention"]},
                 "metrics_file": METRICS, "resumed_from": self.resumed_from, **self.runner.describe()}
 
     # ------------------------------------------------------------------ files
@@ -385,7 +390,7 @@ class Trainer:
         plan_log = PlanLog()
         for b in runner.local_batches(batches):  # EP: this rank's rows of every micro-batch
             b = {k: v.to(device, non_blocking=True) for k, v in b.items()}
-            with self.autocast():  # the loss chunked at scale (lrmoe.train.loss)
+            with self.autocast():  # document-causal attention over packed rows; the loss chunked at scale
                 loss_sum, _ = causal_lm_loss(model, b["input_ids"], b["position_ids"], b["labels"])
             loss = loss_sum / max(1, n_label)
             runner.backward(loss)

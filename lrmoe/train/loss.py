@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..data import IGNORE_INDEX
+from ..hf.attention import attention_inputs
 
 CHUNK_TOKENS = 1024  # labelled tokens per chunk: 1024 x 151,936 fp32 logits = 0.58 GiB
 PLAIN_MAX = 2 ** 26  # tokens x vocab up to which the plain loss is used (fp32 logits <= 256 MiB)
@@ -72,14 +73,15 @@ def chunked_token_loss(hidden: torch.Tensor, labels: torch.Tensor, weight: torch
 
 
 def causal_lm_loss(model, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor, *,
-                   chunk: int = CHUNK_TOKENS, plain_max: int = PLAIN_MAX) -> tuple[torch.Tensor, int]:
+                   chunk: int = CHUNK_TOKENS, plain_max: int | None = None) -> tuple[torch.Tensor, int]:
     """(summed next-token cross-entropy over the labelled positions, their count) of a transformers
     causal LM whose logits are ``lm_head(decoder output)`` (Qwen3-MoE, GLM-4-MoE; tied embeddings
     too) on packed rows; run it under the caller's autocast. ``use_cache=False``: with a cache,
     transformers builds a plain causal mask and packed documents would attend to each other."""
-    kw = dict(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+    kw = dict(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+              **attention_inputs(model, position_ids))  # flex attention: the document-causal BlockMask
     head = model.get_output_embeddings()
-    if input_ids.numel() * head.weight.shape[0] <= plain_max:
+    if input_ids.numel() * head.weight.shape[0] <= (PLAIN_MAX if plain_max is None else plain_max):
         return token_loss(model(**kw).logits, labels)
     hidden = model.get_decoder()(**kw).last_hidden_state
     return chunked_token_loss(hidden, labels, head.weight, head.bias, chunk)

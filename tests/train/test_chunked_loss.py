@@ -175,3 +175,24 @@ def test_cuda_bf16_chunked_loss_memory():
     torch.testing.assert_close(ghc, ghp, rtol=2e-2, atol=1e-5)
     torch.testing.assert_close(gwc, gwp, rtol=2e-2, atol=1e-5)
     assert mc < mp / 2
+
+
+def test_training_run_on_the_chunked_path(data_path, tmp_path, monkeypatch):
+    """A short run whose loss takes the chunked path (PLAIN_MAX 0), training and evaluation, logs the
+    losses of the default (plain) run within fp32 rounding; the run records sdpa attention on the CPU."""
+    from lrmoe.train import train
+
+    from .helpers import cfg, losses
+
+    runs, calls, orig = {}, [], tl._chunk_loss
+    monkeypatch.setattr(tl, "_chunk_loss", lambda *a: calls.append(1) or orig(*a))
+    for name, plain_max in (("plain", tl.PLAIN_MAX), ("chunked", 0)):
+        monkeypatch.setattr(tl, "PLAIN_MAX", plain_max)
+        calls.clear()
+        s = train(cfg(data_path, steps=3, eval_interval=3), tmp_path / name, progress=False)
+        assert s["model"]["attention"] == "sdpa"
+        runs[name] = (losses(tmp_path / name), s["final"], len(calls))
+    (lp, fp, n_plain), (lc, fc, n_chunked) = runs["plain"], runs["chunked"]
+    assert n_plain == 0 and n_chunked > 3 and len(lp) == 3
+    assert lc == pytest.approx(lp, rel=1e-4)
+    assert fc["eval_loss"] == pytest.approx(fp["eval_loss"], rel=1e-4)
