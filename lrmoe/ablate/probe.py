@@ -185,10 +185,9 @@ def fixed_batches(train_set, rows: int, batches: int, seed: int) -> list[dict]:
 # ------------------------------------------------------------------------------ gradients
 
 def _loss(model, batch, n_label: int):
-    from lrmoe.train.evaluate import token_loss
+    from lrmoe.train.loss import causal_lm_loss  # the training loss (plain at the CPU presets' sizes)
 
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-    return token_loss(logits, batch["labels"])[0] / max(1, n_label)
+    return causal_lm_loss(model, batch["input_ids"], batch["position_ids"], batch["labels"])[0] / max(1, n_label)
 
 
 def _expert_params(model):

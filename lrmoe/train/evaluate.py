@@ -1,4 +1,4 @@
-"""Held-out evaluation and the token loss shared with training."""
+"""Held-out evaluation (its loss is the training loss, :mod:`lrmoe.train.loss`)."""
 from __future__ import annotations
 
 import math
@@ -6,9 +6,11 @@ import warnings
 
 import torch
 
-from ..data import IGNORE_INDEX
 from .config import TrainConfig
+from .loss import causal_lm_loss, label_tokens, token_loss
 from .runner import LocalRunner
+
+__all__ = ["evaluate", "label_tokens", "token_loss"]
 
 
 @torch.no_grad()
@@ -29,11 +31,8 @@ def evaluate(model, heldout, cfg: TrainConfig, device, autocast, runner=None) ->
         idx = torch.arange(s, min(n, s + cfg.micro_batch))
         batch = {k: heldout.tensors[k][idx].to(device) for k in ("input_ids", "labels", "position_ids")}
         batch, counted = runner.eval_rows(batch)
-        with autocast():
-            # use_cache=False: with a cache, transformers builds a plain causal mask and packed
-            # documents would attend to each other; without one the mask follows position_ids.
-            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-        loss_sum, tokens = token_loss(logits, batch["labels"])
+        with autocast():  # the loss inside: each chunk's logits in the autocast dtype (lrmoe.train.loss)
+            loss_sum, tokens = causal_lm_loss(model, batch["input_ids"], batch["position_ids"], batch["labels"])
         if counted:
             total += float(loss_sum)
             count += tokens
@@ -47,18 +46,4 @@ def evaluate(model, heldout, cfg: TrainConfig, device, autocast, runner=None) ->
         return {}
     loss = total / count
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_tokens": count}
-
-
-def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Summed next-token cross-entropy over labelled positions (labels are aligned with inputs)."""
-    shift_logits = logits[:, :-1].float()
-    shift_labels = labels[:, 1:]
-    loss_sum = torch.nn.functional.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]),
-                                                 shift_labels.reshape(-1), ignore_index=IGNORE_INDEX,
-                                                 reduction="sum")
-    return loss_sum, int((shift_labels != IGNORE_INDEX).sum())
-
-
-def label_tokens(labels: torch.Tensor) -> int:
-    return int((labels[:, 1:] != IGNORE_INDEX).sum())
 

@@ -61,10 +61,12 @@ import torch
 from .. import hf
 from ..environment import environment
 from ..files import write_json
+from ..hf.attention import attention_for
 from ..run_folder import METRICS, SUMMARY, read_summary, run_folder_lock
 from . import checkpoint
 from .config import TrainConfig, config_differences
-from .evaluate import evaluate, label_tokens, token_loss
+from .evaluate import evaluate
+from .loss import causal_lm_loss, label_tokens
 from .metrics import METRIC_KEYS, MetricsLog, summary_of_metrics
 from .plan_log import PlanLog, routing_counts
 from .runner import LocalRunner
@@ -307,6 +309,10 @@ class Trainer:
                 raise ValueError(f"model_overrides vocab_size={built['overrides']['vocab_size']} is smaller than the "
                                  f"tokenizer {cfg.tokenizer!r} ({vocab} tokens); leave it out (it follows the tokenizer)")
             model = hf.build_model(cfg.model, policy=policy, seed=cfg.seed, **built["overrides"])
+        attention = attention_for(self.device)  # flex attention on CUDA, sdpa on the CPU (lrmoe.hf.attention)
+        if model.config._attn_implementation != attention:
+            model.set_attn_implementation(attention)
+        built["attention"] = attention
         mods = hf.experts_modules(model)  # counted before the experts are sharded
         # the family of what was built or loaded (an init_from checkpoint may not be the preset's)
         built["family"] = getattr(model.config, "model_type", None) or hf.MODEL_PRESETS[cfg.model].family
@@ -345,7 +351,7 @@ class Trainer:
                 "model": {"preset": cfg.model, "family": built["family"],
                           "parameters": built["parameters"], "moe_layers": self.n_moe, "experts": built["experts"],
                           "sampled_layers": self.sampled, "vocab_size": self.vocab, "overrides": built["overrides"],
-                          "autocast_bf16": self.use_bf16},
+                          "autocast_bf16": self.use_bf16, "attention": built["attention"]},
                 "metrics_file": METRICS, "resumed_from": self.resumed_from, **self.runner.describe()}
 
     # ------------------------------------------------------------------ files
@@ -387,10 +393,8 @@ class Trainer:
         plan_log = PlanLog()
         for b in runner.local_batches(batches):  # EP: this rank's rows of every micro-batch
             b = {k: v.to(device, non_blocking=True) for k, v in b.items()}
-            with self.autocast():
-                logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"],
-                               use_cache=False).logits  # block-causal mask over packed documents
-            loss_sum, _ = token_loss(logits, b["labels"])
+            with self.autocast():  # document-causal attention over packed rows; the loss chunked at scale
+                loss_sum, _ = causal_lm_loss(model, b["input_ids"], b["position_ids"], b["labels"])
             loss = loss_sum / max(1, n_label)
             runner.backward(loss)
             loss_total += float(loss.detach())
@@ -400,7 +404,7 @@ class Trainer:
                 plan_log.add(plans)
                 if self.trace is not None:
                     self.trace.add(routing_counts(plans), self.model.config.num_experts_per_tok)
-            del logits, loss, loss_sum
+            del loss, loss_sum
         timer.enabled = False
         # EP: sums over the ranks (the per-rank records hold this rank's pairs only)
         loss_total, kept, layer_stats, nonfinite, extra = runner.reduce_step(
