@@ -15,6 +15,7 @@
 #
 #     bash scripts/gpu_check.sh      # results under results/gpu/<date>-<gpu>/ (or $GPU_CHECK_DIR)
 #     GPU_CHECK_STEPS=train_step,compile_cuda bash scripts/gpu_check.sh   # a subset (a rerun)
+#     GPU_CHECK_LIMITS=compile_cuda=180,pytest_cuda=150 bash scripts/gpu_check.sh   # other time limits (s)
 #
 # Steps run in the order above (the most informative first), each under its own time limit
 # (SIGINT first, so pytest still writes its junit XML; SIGKILL 5 s later), with its log next to its
@@ -71,9 +72,11 @@ pack() {  # bring the results back through $OUT (a few files at most): one archi
 : >"$RES/summary.txt"
 T_START=$SECONDS
 step() {  # step NAME SECONDS CMD...: run with a time limit, log to $RES/NAME.log, record rc and time, pack
-    local name=$1 limit=$2 t0=$SECONDS rc
+    local name=$1 limit=$2 t0=$SECONDS rc over
     shift 2
     case ",$WANT," in *",$name,"*) ;; *) return 0 ;; esac
+    over=$(echo ",${GPU_CHECK_LIMITS:-}," | sed -n "s/.*,$name=\([0-9][0-9]*\),.*/\1/p")
+    limit=${over:-$limit}
     echo "== $name (limit ${limit}s, $((SECONDS - T_START))s into the check)"
     timeout --signal=INT --kill-after=5 "$limit" "$@" >"$RES/$name.log" 2>&1
     rc=$?
