@@ -83,5 +83,19 @@ def causal_lm_loss(model, input_ids: torch.Tensor, position_ids: torch.Tensor, l
     head = model.get_output_embeddings()
     if input_ids.numel() * head.weight.shape[0] <= (PLAIN_MAX if plain_max is None else plain_max):
         return token_loss(model(**kw).logits, labels)
-    hidden = model.get_decoder()(**kw).last_hidden_state
-    return chunked_token_loss(hidden, labels, head.weight, head.bias, chunk)
+
+    def forward(**kw):  # decoder, then the chunked output layer and loss, as the model's own forward
+        hidden = model.get_decoder()(**kw).last_hidden_state
+        return chunked_token_loss(hidden, labels, head.weight, head.bias, chunk)
+
+    # through the model's call: module hooks around it see the whole loss (FSDP's root gathers the
+    # embeddings, final norm and output layer for it, and again for the backward that recomputes chunks)
+    own = model.__dict__.get("forward")  # an instance's own forward (e.g. a compiled one) comes back after
+    model.forward = forward
+    try:
+        return model(**kw)
+    finally:
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own
