@@ -9,7 +9,7 @@ from lrmoe import hf
 from lrmoe.data import IGNORE_INDEX
 from lrmoe.train import loss as tl
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA = pytest.mark.cuda  # run by scripts/gpu_check.sh (pytest -m cuda); skipped without a GPU (conftest)
 
 
 def _case(dtype, B=3, S=9, H=5, V=11, seed=0, bias=True):

@@ -18,7 +18,7 @@ from lrmoe.data import IGNORE_INDEX
 from lrmoe.hf import attention as att
 from lrmoe.train.loss import causal_lm_loss
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA = pytest.mark.cuda  # run by scripts/gpu_check.sh (pytest -m cuda); skipped without a GPU (conftest)
 
 
 def _positions(*rows):
