@@ -12,9 +12,10 @@ _ROOT = Path(__file__).resolve().parents[1]
 
 
 def git_revision() -> str:
-    """The checkout's short revision (+dirty when code outside results/ is modified); without a git
-    checkout (e.g. a copied working tree on a lent machine), env ``LRMOE_GIT_REV`` if set."""
-    if os.environ.get("LRMOE_GIT_REV") and not (_ROOT / ".git").exists():
+    """Env ``LRMOE_GIT_REV`` when set (a lent machine's copy of the working tree may carry a stale
+    ``.git``: its first GPU check recorded the revision the session started from), else the
+    checkout's short revision (+dirty when code outside results/ is modified)."""
+    if os.environ.get("LRMOE_GIT_REV"):
         return os.environ["LRMOE_GIT_REV"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=_ROOT, capture_output=True, text=True, timeout=5)

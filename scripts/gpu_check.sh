@@ -29,7 +29,8 @@
 # parent folder and is shared by the steps: the first step pays the cold compile.
 # Without a CUDA GPU the plumbing runs (the `no-gpu` dry run, tests/cli/test_gpu_check.py):
 # a tiny training step and the smoke grouped GEMM under the Triton interpreter; the others say
-# "skipped". Without a git checkout (a copied working tree), set LRMOE_GIT_REV to the revision.
+# "skipped". On a copied working tree set LRMOE_GIT_REV to the revision: it wins over the copy's .git,
+# which may be stale (the first H200 run recorded the session's starting revision, not the one it ran).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
@@ -54,7 +55,7 @@ fi
     $PY -c "import sys, torch, triton, transformers, numpy; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__, 'numpy', numpy.__version__)"
     $PY -c "import numba; print('numba', numba.__version__)" 2>/dev/null || echo "numba: not installed"
     $PY -c "import xdist; print('pytest-xdist', xdist.__version__)" 2>/dev/null || echo "pytest-xdist: not installed"
-    echo "revision $(git rev-parse HEAD 2>/dev/null || echo "${LRMOE_GIT_REV:-unknown}")"
+    echo "revision ${LRMOE_GIT_REV:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
     echo "steps $WANT"
 } >"$RES/env.txt" 2>&1
 cat "$RES/env.txt" | grep -E '^(python|revision|steps|NVIDIA|\|.*H[12]00)' | head -5
