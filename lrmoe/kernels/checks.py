@@ -15,6 +15,7 @@ unspecified, and an out-of-range index is an out-of-bounds access."""
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -89,8 +90,8 @@ def values_checkable(t: torch.Tensor) -> bool:
     """Whether reading ``t``'s values costs no host synchronisation (CPU), or the user asked for
     the checks anyway (``torch.autograd.set_detect_anomaly(True)``). Never while ``torch.compile``
     traces: a host read of a data-dependent value cannot be traced (the compiled graph runs
-    without these value checks)."""
-    if torch.compiler.is_compiling():
+    without these value checks), nor for fake tensors (a memory estimate: no values)."""
+    if torch.compiler.is_compiling() or is_fake(t):
         return False
     return t.device.type == "cpu" or (torch.is_anomaly_enabled() and t.device.type != "meta")
 

@@ -46,6 +46,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 from .checks import check_call, check_ends, check_grouped_mm_args, split_rows
 
@@ -112,14 +113,14 @@ def aligned(t: torch.Tensor) -> bool:
     else:
         return False
     strides_ok = (lead * item) % 16 == 0 and all((s * item) % 16 == 0 for s in batch)
-    # (a traced tensor has no data pointer: the compiled kernel allocates aligned buffers)
-    return strides_ok and (compiling() or t.data_ptr() % 16 == 0)
+    # (a traced or fake tensor has no data pointer: the compiled kernel allocates aligned buffers)
+    return strides_ok and (compiling() or is_fake(t) or t.data_ptr() % 16 == 0)
 
 
 def torch_backend_ok(mat_a: torch.Tensor, mat_b: torch.Tensor) -> bool:
     """Whether F.grouped_mm takes these operands: fp32/bf16/fp16 with aligned layouts; inside a
     compiled region bf16 only (its compiled kernel accepts no other dtype)."""
-    dtypes = (torch.bfloat16,) if compiling() else _TORCH_DTYPES
+    dtypes = (torch.bfloat16,) if compiling() or is_fake(mat_a) else _TORCH_DTYPES  # (its fake kernel: bf16 too)
     return mat_a.dtype in dtypes and aligned(mat_a) and aligned(mat_b)
 
 
@@ -174,7 +175,7 @@ def _reference(mat_a, mat_b, offs, backend: str, auto: bool, a_index, b_index) -
         mat_b = mat_b.index_select(0, b_index)
     if backend == "torch" and auto and not torch_backend_ok(mat_a, mat_b):
         backend = "loop"  # the gathered operands no longer qualify for F.grouped_mm
-    if compiling() and (backend == "loop" or not torch_backend_ok(mat_a, mat_b)):
+    if (compiling() or is_fake(mat_a)) and (backend == "loop" or not torch_backend_ok(mat_a, mat_b)):
         return grouped_mm_loop_op(mat_a, mat_b, offs)  # same products as the loop and F.grouped_mm
     if backend == "loop":
         return grouped_mm_loop(mat_a, mat_b, offs)
@@ -203,11 +204,11 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *, 
         if tgg is None:
             raise ValueError(f"backend='triton' needs the Triton grouped GEMM, which failed to import "
                              f"({TRITON_IMPORT_ERROR[0][:300]}); accepted backends here: auto, torch, loop")
-        if not compiling():
+        if not (compiling() or is_fake(mat_a)):  # fake tensors (a memory estimate): the op's fake kernel
             return tgg.grouped_mm(mat_a, mat_b, offs, a_index=a_index, b_index=b_index, out_index=out_index, out=out,
                                   accumulate=accumulate)
     check_call(mat_a, mat_b, offs, a_index, b_index, out_index, out, accumulate)
-    if tgg is not None:  # compiled: the opaque operator (gather fused), then the scatter below
+    if tgg is not None:  # compiled or fake: the opaque operator (gather fused), then the scatter below
         res = tgg.grouped_mm_op(mat_a, mat_b, offs, a_index, b_index)
     else:
         res = _reference(mat_a, mat_b, offs, backend, auto, a_index, b_index)

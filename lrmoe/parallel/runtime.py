@@ -60,6 +60,7 @@ from ..recompute import recomputing
 from ..planning.plan import Cluster, ModelDims, Plan, check_budget
 from ..planning.policies import get_placement, plan_placement
 from ..planning.step import plan_layer
+from . import fake
 from .collectives import crc, gather_demand
 from .function import Call, EPExperts
 from .grad_sync import mark_expert_parallel
@@ -220,7 +221,7 @@ def _check_local_inputs(hidden_TH, idx_TK, w_TK, gate_up, down, ep: ExpertParall
         raise ValueError(f"expert weights must be this rank's block of E/G = {El} experts: gate_up_proj [{El}, 2I, {H}] "
                          f"and down_proj [{El}, {H}, I], got {tuple(gate_up.shape)} and {tuple(down.shape)}")
     check_routing_shapes(T, idx_TK, w_TK)
-    if idx_TK.numel():
+    if idx_TK.numel() and not fake.is_fake(idx_TK):  # (fake tensors: no values to check)
         lo, hi = int(idx_TK.min()), int(idx_TK.max())
         if lo < 0 or hi >= ep.num_experts:
             raise ValueError(f"expert indices must be in [0, {ep.num_experts - 1}] (global ids), got values in [{lo}, {hi}]")
@@ -303,7 +304,7 @@ def ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weig
                 ep.planner_signature(), act_key]
     if recomputing():  # activation checkpointing's second forward: the first one's plan, no planning
         return _rerun(hidden_TH, idx, top_k_weights_TK, gate_up_proj, down_proj, ep, policy, activation)
-    demand_GE = gather_demand(ep, torch.bincount(idx.reshape(-1), minlength=E), header, readable)
+    demand_GE = layer_demand(ep, idx, header, readable)
     dims = ep.dims(H, I, K, gate_up_proj.element_size())
     prev_state = ep.state
     ep.plan_seconds = 0.0
@@ -327,7 +328,7 @@ def ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weig
     for j in range(n):
         sl = slice(bounds[j], bounds[j + 1])
         i_j = idx[sl]
-        d_j = gather_demand(ep, torch.bincount(i_j.reshape(-1), minlength=E), header, readable)
+        d_j = layer_demand(ep, i_j, header, readable)
         before = ep.plan_seconds
         p_j = ep.plan(d_j, dims, policy, state=prev_state, piece=True)
         piece_s = ep.plan_seconds - before + (plan_s if j == 0 else 0.0)  # the first piece carries the split's plan
@@ -343,6 +344,14 @@ def ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weig
                          piece_s, activation))
     ep.last_plan = plans
     return torch.cat(outs)
+
+
+def layer_demand(ep: ExpertParallel, idx: torch.Tensor, header: list[int], readable: list) -> np.ndarray:
+    """The [G, E] demand of this call over the EP group (a collective), or the stated one when the
+    indices are fake (:mod:`lrmoe.parallel.fake`: a memory estimate; no collective)."""
+    if fake.is_fake(idx):
+        return fake.demand(ep.world_size, ep.num_experts, idx.numel())
+    return gather_demand(ep, torch.bincount(idx.reshape(-1), minlength=ep.num_experts), header, readable)
 
 
 def _rerun(hidden_TH, idx, w_TK, gate_up, down, ep, policy, activation):
