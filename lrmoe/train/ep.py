@@ -46,11 +46,11 @@ import torch
 import torch.distributed as dist
 
 from ..hf import fsdp
-from ..hf.checkpointing import checkpoint_layers
 from ..hf import parallel as ep_hf
 from ..parallel.launch import host_barrier, rank_seed  # rank_seed: re-exported (lrmoe.train.ep.rank_seed)
 from ..parallel.runtime import ExpertParallel
-from . import checkpoint
+from . import checkpoint, parallelize
+from .parallelize import budget_bytes  # noqa: F401 - re-exported (lrmoe.train.ep.budget_bytes)
 from .config import resolve_device
 from .runner import load_data
 
@@ -90,10 +90,6 @@ def check_launch(cfg, world: int | None = None) -> None:
                          f"every micro-batch (global_batch = micro_batch x grad_accum = {cfg.global_batch} rows per "
                          f"step) is split evenly over the ranks; use e.g. --micro-batch "
                          f"{world * max(1, cfg.micro_batch // world)} ({max(1, cfg.micro_batch // world)} per rank)")
-
-
-def budget_bytes(cfg) -> float:
-    return math.inf if cfg.ep_budget_mib is None else float(cfg.ep_budget_mib) * 2 ** 20
 
 
 class DistributedRunner:
@@ -148,18 +144,12 @@ class DistributedRunner:
             model = make()
             mods = hf.experts_modules(model)
             self.num_experts = int(mods[0].gate_up_proj.shape[0]) if mods else 0
-            if self.env.ep_size > 1:
-                self.eps = ep_hf.parallelize_experts(model, self.env.ep_group, self.cfg.placement,
-                                                     budget_bytes(self.cfg), policy=policy, **self.cfg.ep_options)
+            self.eps = parallelize.shard_experts(model, self.env, self.cfg, policy)
             return model.to(self.device)
 
         model = in_turns(build, self.cfg.load_concurrency) if self.env.ep_size > 1 else build()
         ep_hf.broadcast_dense_params(model, src=0)
-        if self.cfg.activation_checkpointing:  # before FSDP: its hooks stay around each layer's call
-            checkpoint_layers(model)
-        if self.cfg.fsdp:
-            bf16 = self.cfg.dtype == "bf16" or (self.cfg.dtype == "auto" and self.device.type == "cuda")
-            fsdp.shard_model(model, self.env, param_dtype=torch.bfloat16 if bf16 else None, offload=self.cfg.offload)
+        parallelize.apply_scale(model, self.env, self.cfg, self.device)
         return model
 
     def describe(self) -> dict:

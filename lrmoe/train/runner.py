@@ -35,7 +35,7 @@ class LocalRunner:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.device = resolve_device(cfg.device)
-        self.activation_checkpointing = cfg.activation_checkpointing
+        self.cfg = cfg
 
     @staticmethod
     def load_data(cfg, progress: bool = True):
@@ -46,12 +46,9 @@ class LocalRunner:
         return policy
 
     def build_model(self, make, policy):
-        model = make().to(self.device)
-        if self.activation_checkpointing:
-            from ..hf.checkpointing import checkpoint_layers
+        from .parallelize import apply_scale
 
-            checkpoint_layers(model)
-        return model
+        return apply_scale(make().to(self.device), None, self.cfg, self.device)
 
     def describe(self) -> dict:
         return {}

@@ -88,7 +88,7 @@ class VirtualRunner(LocalRunner):
         self._plan_s0 = 0.0
 
     def build_model(self, make, policy):
-        from .ep import budget_bytes
+        from .parallelize import budget_bytes
 
         model = make()
         self.eps = virtualize_experts(model, self.group, self.cfg.placement, budget_bytes(self.cfg),
