@@ -15,6 +15,7 @@ import sys
 COMMANDS = {
     "bench": "lrmoe.bench.cli",
     "train": "lrmoe.train.cli",
+    "estimate-memory": "lrmoe.reproduce.estimate_cli",
     "reproduce": "lrmoe.reproduce",
     "ablate": "lrmoe.ablate.cli",
     "figures": "paper_figures.cli",

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 
 from . import integration as _hf
@@ -66,12 +67,13 @@ def shard_model(model: nn.Module, env, *, param_dtype: torch.dtype | None = None
     expert_offload = cpu if offload in ("experts", "all") and cpu is not None else None
     kind = env.device.type
     experts = ep_modules(model) if ep > 1 else _hf.experts_modules(model)
+    with unset_fake_temporarily():  # (a memory estimate runs this under FakeTensorMode: the meshes are real)
+        mesh = init_device_mesh(kind, (world // ep, ep), mesh_dim_names=("edp", "ep")) if ep > 1 else None
+        dp = init_device_mesh(kind, (world,), mesh_dim_names=("dp",))
     if ep > 1:
-        mesh = init_device_mesh(kind, (world // ep, ep), mesh_dim_names=("edp", "ep"))
         for m in experts:
             kw = {"offload_policy": expert_offload} if expert_offload is not None else {}
             fully_shard(m, mesh=mesh["edp"], mp_policy=mp, **kw)
-    dp = init_device_mesh(kind, (world,), mesh_dim_names=("dp",))
     layer_offload = dense_offload if ep > 1 else (expert_offload or dense_offload)
     kw = {"offload_policy": layer_offload} if layer_offload is not None else {}
     for layer in decoder_layers(model):
@@ -101,6 +103,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def local_bytes(t: torch.Tensor) -> int:
+    """Bytes of this rank's part of ``t`` (its shard when a DTensor)."""
+    t = _local(t)
+    return t.numel() * t.element_size()
+
+
 @torch.no_grad()
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Clip a sharded model's gradients by their global norm; returns the norm before clipping.
@@ -116,10 +124,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
         sq += (g.detach().double() ** 2).sum().to(comm)
     dist.all_reduce(sq)
     norm = sq.sqrt()
-    coef = float(max_norm) / (float(norm) + 1e-6)
-    if coef < 1.0:
-        for g in grads:
-            g.mul_(coef)
+    coef = (float(max_norm) / (norm + 1e-6)).clamp(max=1.0)  # on the device: no host read
+    for g in grads:
+        g.mul_(coef.to(g.device))
     return norm.float().cpu()
 
 

@@ -27,6 +27,7 @@ import weakref
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from . import integration as _hf
 from ..policy import BackwardPolicy, BackwardRecord
@@ -106,6 +107,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, ep_group=None) -> torch.T
     if dist.get_world_size(ep_group) > 1:
         dist.all_reduce(expert_sq, group=ep_group)
     norm = (sq(dense) + expert_sq[0]).sqrt()
+    if is_fake(norm):  # a memory estimate: the scaling's bytes, no value to read
+        for g in dense + expert:
+            g.mul_(norm.to(g.dtype))
+        return norm.float()
     coef = float(max_norm) / (float(norm) + 1e-6)
     if coef < 1.0:
         for g in dense + expert:

@@ -130,13 +130,20 @@ def train(cfg: TrainConfig, out_dir, progress: bool = True, stop_after: int | No
         runner.close()
 
 
-def _param_groups(model, weight_decay: float):
-    decay, no_decay = [], []
+def param_groups(model, weight_decay: float):
+    """AdamW's groups: weight decay on matrices only; with FSDP also one group per device mesh (the
+    experts' expert-data-parallel mesh, the dense parameters' mesh of all ranks), since one fused or
+    foreach AdamW call over DTensors of two meshes makes full-size temporaries."""
+    groups: dict = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if p.dim() < 2 else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        mesh = getattr(p, "device_mesh", None)
+        groups.setdefault((id(mesh) if mesh is not None else None, p.dim() < 2), []).append(p)
+    if all(mesh is None for mesh, _ in groups):  # no FSDP: the two groups of every earlier run (resume)
+        return [{"params": groups.get((None, False), []), "weight_decay": weight_decay},
+                {"params": groups.get((None, True), []), "weight_decay": 0.0}]
+    return [{"params": ps, "weight_decay": 0.0 if no_decay else weight_decay} for (_, no_decay), ps in groups.items()]
 
 
 class _StopSignals:
@@ -260,7 +267,7 @@ class Trainer:
 
         # fused AdamW on CUDA (one kernel per step instead of a copy per parameter); the CPU keeps the
         # plain (foreach) AdamW, whose numbers the committed CPU results were trained with
-        self.opt = torch.optim.AdamW(_param_groups(self.model, cfg.weight_decay), lr=cfg.lr,
+        self.opt = torch.optim.AdamW(param_groups(self.model, cfg.weight_decay), lr=cfg.lr,
                                      betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                      fused=True if device.type == "cuda" else None)
         self.params = [p for g in self.opt.param_groups for p in g["params"]]  # what the clip sees, every step

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
 from ..data import IGNORE_INDEX
@@ -31,6 +32,8 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor
     shift_labels = labels[:, 1:]
     loss_sum = F.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1),
                                ignore_index=IGNORE_INDEX, reduction="sum")
+    if is_fake(shift_labels):  # a memory estimate: no values to count (every position, as the chunked loss)
+        return loss_sum, shift_labels.numel()
     return loss_sum, int((shift_labels != IGNORE_INDEX).sum())
 
 
@@ -46,7 +49,7 @@ def _upcast(logits: torch.Tensor) -> torch.Tensor:
 def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 labels: torch.Tensor) -> torch.Tensor:
     logits = F.linear(hidden, weight, bias)  # the output layer, in the autocast dtype
-    return F.cross_entropy(_upcast(logits), labels, reduction="sum")
+    return F.cross_entropy(_upcast(logits), labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def chunked_token_loss(hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
@@ -58,9 +61,12 @@ def chunked_token_loss(hidden: torch.Tensor, labels: torch.Tensor, weight: torch
         raise ValueError(f"chunk must be a positive number of tokens, got {chunk}")
     h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     y = labels[:, 1:].reshape(-1)
-    keep = (y != IGNORE_INDEX).nonzero().squeeze(1)
-    h, y = h.index_select(0, keep), y.index_select(0, keep)
-    n = int(keep.numel())
+    if is_fake(y):  # a memory estimate (no label values): every position, unlabelled ones ignored by the loss
+        n = y.numel()
+    else:
+        keep = (y != IGNORE_INDEX).nonzero().squeeze(1)
+        h, y = h.index_select(0, keep), y.index_select(0, keep)
+        n = int(keep.numel())
     total = None
     # at least one chunk, empty when no position has a label: the loss (0) then still reaches the
     # model's graph, so a backward runs through every layer (EP ranks run its collectives)

@@ -18,7 +18,7 @@ def _exit_code(argv) -> int:
 def _subcommands(capsys) -> list[str]:
     assert _exit_code(["--help"]) == 0
     out = capsys.readouterr().out
-    return re.search(r"usage: lrmoe \[-h\] \{([a-z,]+)\}", out).group(1).split(",")
+    return re.search(r"usage: lrmoe \[-h\]\s+\{([a-z,-]+)\}", out).group(1).split(",")
 
 
 def test_top_level_help_lists_the_subcommands(capsys):
