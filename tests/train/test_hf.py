@@ -348,9 +348,9 @@ def _cache_param(cache, preset):
     return pytest.param(cache, preset, marks=[pytest.mark.cuda] if cache.startswith("offloaded") else [])
 
 
-# Every cache_implementation transformers 5.24 accepts (generation.configuration_utils.ALL_CACHE_IMPLEMENTATIONS;
-# sliding_window/hybrid/hybrid_chunked are deprecated names of static layer structures); "paged" is
-# continuous batching (tests/train/test_hf_parity.py).
+# Every cache_implementation transformers accepts (generation.configuration_utils.ALL_CACHE_IMPLEMENTATIONS, the
+# same list in 5.17 and 5.25; sliding_window/hybrid/hybrid_chunked are deprecated names of static layer
+# structures); "paged" is continuous batching (tests/train/test_hf_parity.py).
 CACHES = ["dynamic", "static", "sliding_window", "hybrid", "hybrid_chunked", "quantized", "offloaded",
           "offloaded_static", "offloaded_hybrid", "offloaded_hybrid_chunked"]
 
