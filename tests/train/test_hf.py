@@ -1,5 +1,7 @@
 """transformers integration (lrmoe.hf): the "lrmoe" experts implementation in Qwen3-MoE and GLM-4.5
 models, against transformers' own experts; the block-causal mask over packed documents."""
+import contextlib
+
 import pytest
 import torch
 
@@ -305,14 +307,17 @@ def _assert_same(a, b, what, rtol=1e-5, atol=1e-6):
 
 
 def _enable_checkpointing(model, kind):
-    if kind == "activation_checkpointing_enable":  # transformers 5's entry point (use_reentrant=False)
-        model.activation_checkpointing_enable()
-    else:  # the deprecated alias with either kind of torch.utils.checkpoint
-        with pytest.warns(FutureWarning, match="gradient_checkpointing_enable"):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": kind == "reentrant"})
+    # transformers 5.17 has gradient_checkpointing_enable only (use_reentrant=False by default); later 5.x
+    # add activation_checkpointing_enable with the same default and deprecate the old name (FutureWarning)
+    renamed = hasattr(model, "activation_checkpointing_enable")
+    if kind == "default":  # the entry point this version has, with its defaults
+        return model.activation_checkpointing_enable() if renamed else model.gradient_checkpointing_enable()
+    # the old name with either kind of torch.utils.checkpoint; a deprecated alias where the new one exists
+    with pytest.warns(FutureWarning, match="gradient_checkpointing_enable") if renamed else contextlib.nullcontext():
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": kind == "reentrant"})
 
 
-@pytest.mark.parametrize("kind", ["activation_checkpointing_enable", "reentrant", "non-reentrant"])
+@pytest.mark.parametrize("kind", ["default", "reentrant", "non-reentrant"])
 @pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "glm4-moe-tiny"])
 def test_gradient_checkpointing(preset, kind, monkeypatch):
     """At drop 0 equal to stock with checkpointing; at drop 0.3 the recomputed forward selects the
@@ -343,9 +348,9 @@ def _cache_param(cache, preset):
     return pytest.param(cache, preset, marks=[pytest.mark.cuda] if cache.startswith("offloaded") else [])
 
 
-# Every cache_implementation transformers 5.24 accepts (generation.configuration_utils.ALL_CACHE_IMPLEMENTATIONS;
-# sliding_window/hybrid/hybrid_chunked are deprecated names of static layer structures); "paged" is
-# continuous batching (tests/train/test_hf_parity.py).
+# Every cache_implementation transformers accepts (generation.configuration_utils.ALL_CACHE_IMPLEMENTATIONS, the
+# same list in 5.17 and 5.25; sliding_window/hybrid/hybrid_chunked are deprecated names of static layer
+# structures); "paged" is continuous batching (tests/train/test_hf_parity.py).
 CACHES = ["dynamic", "static", "sliding_window", "hybrid", "hybrid_chunked", "quantized", "offloaded",
           "offloaded_static", "offloaded_hybrid", "offloaded_hybrid_chunked"]
 

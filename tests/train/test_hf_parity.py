@@ -7,6 +7,9 @@ experts implementation back and forth, meta-device construction, and the checks 
 model tests make (their tester configuration: gelu, top-2 of 8 and GLM's top-8 of 8, padded
 batches; every head class, router logits and the load-balancing loss, hidden states, inputs_embeds).
 Dtypes, autocast, checkpointing, caches, save/load and optimizer steps: tests/train/test_hf.py."""
+import dataclasses
+import inspect
+
 import pytest
 import torch
 
@@ -125,8 +128,11 @@ def _generate(model, mode, ids):
         return model.generate(ids, attention_mask=mask, do_sample=False, **kw)
     if mode == "continue-from-cache":
         first = model.generate(ids, do_sample=False, return_dict_in_generate=True, **{**kw, "max_new_tokens": 3})
-        out = model.generate(first.sequences, cache=first.past_key_values, do_sample=False, **kw)
-        assert first.past_key_values.get_seq_length() == out.shape[1] - 1  # that cache was continued
+        # the cache's name: past_key_values in transformers 5.17, cache in later 5.x (past_key_values deprecated)
+        name = "cache" if "cache" in {f.name for f in dataclasses.fields(first)} else "past_key_values"
+        cache = getattr(first, name)
+        out = model.generate(first.sequences, do_sample=False, **{name: cache}, **kw)
+        assert cache.get_seq_length() == out.shape[1] - 1  # that cache was continued
         return out
     if mode == "inputs-embeds":
         return model.generate(inputs_embeds=model.get_input_embeddings()(ids), do_sample=False, **kw)
@@ -134,8 +140,11 @@ def _generate(model, mode, ids):
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
+    # tokens per cache page: block_size in transformers 5.17, page_size in later 5.x. 5.17 checks the paged cache
+    # against free memory even with num_blocks and max_batch_tokens given, on CPU through psutil (a test dependency)
+    page = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
     out = model.generate_batch(ids.tolist(), GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=V - 1),
-                               ContinuousBatchingConfig(num_blocks=8, max_batch_tokens=64, page_size=16), warmup=False)
+                               ContinuousBatchingConfig(num_blocks=8, max_batch_tokens=64, **{page: 16}), warmup=False)
     return torch.tensor([out[k].generated_tokens for k in sorted(out)])
 
 
