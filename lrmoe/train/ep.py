@@ -293,12 +293,13 @@ class DistributedRunner:
                 return {**common, "model": full, "world_size": self.world, "ep_size": self.env.ep_size}
         # host barriers: writing hundreds of GB may outlast the collective timeout
         checkpoint.save_sharded(path, common["step"], self.rank,
-                                {"world_size": self.world, "optimizer": self.optimizer_state(opt), "rng": rng_state,
+                                {"world_size": self.world, "optimizer": self.optimizer_state(model, opt), "rng": rng_state,
                                  "placement_state": [ep.state for ep in self.eps]}, main, host_barrier)
 
-    def optimizer_state(self, opt) -> dict:
+    @staticmethod
+    def optimizer_state(model, opt) -> dict:
         """This rank's optimizer state (with FSDP: its shards, as plain tensors)."""
-        return fsdp.local_optimizer_state(opt.state_dict()) if self.cfg.fsdp else opt.state_dict()
+        return fsdp.local_optimizer_state(opt.state_dict()) if fsdp.is_sharded(model) else opt.state_dict()
 
     def load_checkpoint(self, path: Path) -> dict:
         ck = checkpoint.load(path, mmap=True)
@@ -311,13 +312,14 @@ class DistributedRunner:
     def load_state(self, path: Path, ck: dict, model, opt, set_rng) -> None:
         """Weights from the main checkpoint, optimizer/RNG/planner state from this rank's file of its set."""
         sd = ep_hf.shard_state_dict(model, ck["model"]) if self.eps else ck["model"]
-        if self.cfg.fsdp:
+        sharded = fsdp.is_sharded(model)
+        if sharded:
             fsdp.load_full_state_dict(model, sd)
         else:
             model.load_state_dict(sd)
         rs = checkpoint.load_rank_state(path, ck, self.rank)
         opt.load_state_dict(rs["optimizer"])
-        if self.cfg.fsdp:
+        if sharded:
             fsdp.restore_optimizer_state(opt)
         set_rng(rs["rng"])
         for ep, st in zip(self.eps, rs.get("placement_state", [])):
