@@ -38,7 +38,7 @@ import torch  # noqa: E402
 GIB = 2 ** 30
 
 
-def run_config(preset: str, run: str, data: str, out: Path, overrides: dict):
+def run_config(preset: str, run: str, data: str, overrides: dict):
     """The TrainConfig of run ``run`` of preset ``preset``, reading ``data``."""
     from lrmoe.reproduce.presets import PRESETS
     from lrmoe.train.config import TrainConfig
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     from lrmoe.train.timer import MoETimer
 
     a.out.mkdir(parents=True, exist_ok=True)
-    cfg = run_config(a.preset, a.run, a.data, a.out, overrides)
+    cfg = run_config(a.preset, a.run, a.data, overrides)
     cfg.validate()
     res = {"preset": a.preset, "run": a.run, "config": cfg.to_dict(), "device": None, "complete": False,
            "estimate": "none: no memory estimator on main (issue 28)"}

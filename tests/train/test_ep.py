@@ -39,22 +39,34 @@ def free_port() -> int:
 
 
 def flags(d: dict) -> list[str]:
+    """``lrmoe train`` flags of a config dict (booleans as --x / --no-x)."""
     out = []
     for k, v in d.items():
-        out += ["--" + k.replace("_", "-"), str(v)]
+        flag = "--" + k.replace("_", "-")
+        out += ([flag] if v else ["--no-" + flag[2:]]) if isinstance(v, bool) else [flag, str(v)]
     return out
 
 
-def torchrun(out: Path, config: dict, *extra: str, env: dict) -> float:
-    """Launch `lrmoe train` on 2 processes; returns the wall time. Fails with the output on error/hang."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+def launch_env(base: Path) -> dict:
+    """The environment of a torchrun launch: no inherited rank variables, caches under ``base``."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HF_DATASETS_CACHE")}
+    env.update(HF_HOME=str(base / "hf"), LRMOE_CACHE=str(base / "cache"), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    return env
+
+
+def torchrun(out: Path, config: dict, *extra: str, env: dict, nproc: int = 2,
+             deadline_s: float = LAUNCH_DEADLINE_S) -> float:
+    """Launch `lrmoe train` on ``nproc`` processes; returns the wall time. Fails with the output on error/hang."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), "-m", "lrmoe.cli", "train", "--out", str(out), "--no-progress",
            *flags(config), *extra]
     t0 = time.perf_counter()
     try:
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_DEADLINE_S)
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=deadline_s)
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"torchrun did not finish within {LAUNCH_DEADLINE_S} s (hang?):\n{e.stderr or ''}")
+        pytest.fail(f"torchrun did not finish within {deadline_s} s (hang?):\n{e.stderr or ''}")
     if p.returncode:
         pytest.fail(f"torchrun exited with {p.returncode}:\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}")
     return time.perf_counter() - t0
@@ -65,10 +77,7 @@ def runs(tmp_path_factory):
     if not TINY.exists():
         pytest.skip(f"offline Alpaca sample not found at {TINY} (set LRMOE_SHARED_DATA to the shared/data folder)")
     base = tmp_path_factory.mktemp("train_ep")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HF_DATASETS_CACHE")}
-    env.update(HF_HOME=str(base / "hf"), LRMOE_CACHE=str(base / "cache"), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    env = launch_env(base)
     data = {"data": str(TINY)}
     walls = {}
     with pytest.MonkeyPatch.context() as mp:

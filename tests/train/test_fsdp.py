@@ -20,7 +20,7 @@ import torch
 from lrmoe.data import shared_data_dir
 from lrmoe.train import TrainConfig, read_metrics, train
 
-from .test_ep import ROOT, free_port
+from .test_ep import launch_env, torchrun
 
 TINY = shared_data_dir() / "alpaca" / "alpaca_tiny.json"
 DEADLINE_S = 240
@@ -28,38 +28,12 @@ RUN = dict(model="qwen3-moe-tiny", tokenizer="bpe:300", seq_len=64, micro_batch=
            warmup_steps=1, heldout_fraction=0.1, eval_interval=2, eval_batches=2, checkpoint_interval=2)
 
 
-def flags(d: dict) -> list[str]:
-    out = []
-    for k, v in d.items():
-        flag = "--" + k.replace("_", "-")
-        out += ([flag] if v else ["--no-" + flag[2:]]) if isinstance(v, bool) else [flag, str(v)]
-    return out
-
-
-def torchrun(out: Path, nproc: int, config: dict, *extra: str, env: dict) -> None:
-    import subprocess
-    import sys
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(free_port()), "-m", "lrmoe.cli", "train", "--out", str(out),
-           "--no-progress", *flags(config), *extra]
-    try:
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=DEADLINE_S)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"torchrun did not finish within {DEADLINE_S} s (hang?):\n{e.stderr or ''}")
-    if p.returncode:
-        pytest.fail(f"torchrun exited with {p.returncode}:\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}")
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     if not TINY.exists():
         pytest.fail(f"offline Alpaca sample not found at {TINY} (set LRMOE_SHARED_DATA to the shared/data folder)")
     base = tmp_path_factory.mktemp("train_fsdp")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HF_DATASETS_CACHE")}
-    env.update(HF_HOME=str(base / "hf"), LRMOE_CACHE=str(base / "cache"), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    env = launch_env(base)
     data = {"data": str(TINY)}
     walls = {}
     with pytest.MonkeyPatch.context() as mp:
@@ -79,7 +53,7 @@ def runs(tmp_path_factory):
                                   ("resumed", 2, cfg, ()), ("ep2_edp2", 4, cfg, ()), ("symi", 2, symi, ()),
                                   ("symi_fsdp_ac", 2, dict(symi, fsdp=True, activation_checkpointing=True), ())):
         t0 = time.perf_counter()
-        torchrun(base / name, nproc, c, *extra, env=env)
+        torchrun(base / name, c, *extra, env=env, nproc=nproc, deadline_s=DEADLINE_S)
         walls[name] = walls.get(name, 0.0) + time.perf_counter() - t0
     print("wall seconds:", {k: round(v, 1) for k, v in walls.items()})
     yield base
