@@ -1,0 +1,31 @@
+"""The planners' compiler: :func:`njit`, numba's ``njit`` with the options every planner loop uses.
+
+``nogil=True`` (the runtime may plan on a thread beside the GPU's work) and ``cache=True`` (the
+machine code is written once and reloaded by later processes). Where the cache lives is numba's
+rule: ``__pycache__`` beside the source file when that folder is writable, else a per-user cache
+folder (``~/.cache/numba`` style), or ``NUMBA_CACHE_DIR`` when set — so a read-only install still
+works, compiling in each new process if nothing is writable at all. ``NUMBA_DISABLE_JIT=1`` runs
+the same functions as plain Python (slow; useful to step through them in a debugger).
+
+The compiled functions take and return numpy arrays and scalars only; the planners keep their
+types (:class:`~lrmoe.planning.plan.Plan`) in Python around them. Each has a plain-Python
+reference (``lrmoe.planning.reference`` or the uncompiled ``.py_func``) that tests compare with.
+"""
+from __future__ import annotations
+
+try:
+    import numba
+except ImportError as exc:  # a broken install, not an optional feature
+    raise ImportError("lrmoe's planners need numba (pip install numba; it is a dependency of the lrmoe "
+                      "package, so `pip install -e .` brings it)") from exc
+
+__all__ = ["njit", "numba"]
+
+
+def njit(fn=None, **options):
+    """``numba.njit`` with ``nogil=True, cache=True`` unless given; usable bare or with options."""
+    options.setdefault("nogil", True)
+    options.setdefault("cache", True)
+    if fn is None:
+        return lambda f: numba.njit(**options)(f)
+    return numba.njit(**options)(fn)
