@@ -121,6 +121,10 @@ def _cli(args) -> int:
         from .ep import check_launch
 
         check_launch(cfg)
+        if cfg.init_from:  # before any rank waits on another: a checkpoint not downloaded is refused here
+            from ..hf.loading import checkpoint_dir
+
+            checkpoint_dir(cfg.init_from)
     except (ValueError, OSError) as e:  # a bad flag or --config file (named)
         print(f"lrmoe train: {e}", file=sys.stderr)
         return 2

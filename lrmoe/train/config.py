@@ -141,9 +141,10 @@ class TrainConfig:
         "activation_checkpointing": "keep only each decoder layer's input in the forward and recompute the layer in "
                                     "the backward (torch.utils.checkpoint, non-reentrant; the recompute reuses the "
                                     "layer's plan and selects the same pairs) (lrmoe.hf.checkpointing)",
-        "load_concurrency": "with ep > 1: how many ranks of a node build or load the full model at the same "
-                            "time before sharding its experts (each holds a full fp32 copy meanwhile, about "
-                            "4 bytes x parameters; 0: all at once)",
+        "load_concurrency": "with ep > 1 and a randomly initialised model: how many ranks of a node build the "
+                            "full model at the same time before sharding its experts (each holds a full fp32 "
+                            "copy meanwhile, about 4 bytes x parameters; 0: all at once). A checkpoint "
+                            "(init_from) is read rank-locally by all ranks at once, each only what it keeps",
     }
 
     def __post_init__(self):

@@ -135,19 +135,26 @@ class DistributedRunner:
 
     def build_model(self, make, policy):
         """``make()`` the full model, shard its experts over the EP group (ep > 1), move it to the
-        device and equalise the dense weights. With expert parallelism the ranks of a node build in
-        turns of ``cfg.load_concurrency`` (each holds a full copy only until it has sharded it)."""
+        device and equalise the dense weights. A checkpoint (``init_from``: ``make`` returns a meta
+        model) is read rank-locally, each rank only what it keeps, by every rank at once
+        (:mod:`lrmoe.hf.loading`); a randomly initialised model is built in full by the ranks of a node
+        in turns of ``cfg.load_concurrency`` (each holds a full copy only until it has sharded it)."""
         from .. import hf
+        from ..hf import loading
         from ..parallel.launch import in_turns
 
-        def build():
-            model = make()
+        def build(model):
             mods = hf.experts_modules(model)
             self.num_experts = int(mods[0].gate_up_proj.shape[0]) if mods else 0
             self.eps = parallelize.shard_experts(model, self.env, self.cfg, policy)
+            if loading.is_meta(model):
+                loading.load_weights(model, self.device)
             return model.to(self.device)
 
-        model = in_turns(build, self.cfg.load_concurrency) if self.env.ep_size > 1 else build()
+        if self.env.ep_size > 1 and not self.cfg.init_from:
+            model = in_turns(lambda: build(make()), self.cfg.load_concurrency)
+        else:
+            model = build(make())
         ep_hf.broadcast_dense_params(model, src=0)
         parallelize.apply_scale(model, self.env, self.cfg, self.device)
         return model

@@ -299,13 +299,13 @@ class Trainer:
     def _make_model(self):
         cfg, built, vocab, policy = self.cfg, self.built, self.vocab, self.policy
         if cfg.init_from:
-            from transformers import AutoModelForCausalLM
+            from ..hf import loading
 
-            hf.register()
+            # on the meta device: the runner shards the experts, then each rank reads only what it keeps
+            # (lrmoe.hf.loading.load_weights), in fp32 master weights
             built["overrides"] = dict(cfg.model_overrides)
             torch.manual_seed(cfg.seed)
-            model = AutoModelForCausalLM.from_pretrained(cfg.init_from, experts_implementation=hf.IMPLEMENTATION,
-                                                         dtype=torch.float32, **built["overrides"])
+            model = loading.meta_model(loading.checkpoint_dir(cfg.init_from), torch.float32, **built["overrides"])
             hf.set_policy(model, policy)
             if model.config.vocab_size < vocab:
                 raise ValueError(f"{cfg.init_from} has {model.config.vocab_size} token embeddings but the tokenizer "

@@ -48,7 +48,12 @@ class LocalRunner:
     def build_model(self, make, policy):
         from .parallelize import apply_scale
 
-        return apply_scale(make().to(self.device), None, self.cfg, self.device)
+        from ..hf import loading
+
+        model = make()
+        if loading.is_meta(model):  # init_from: read from the checkpoint straight onto the device
+            loading.load_weights(model, self.device)
+        return apply_scale(model.to(self.device), None, self.cfg, self.device)
 
     def describe(self) -> dict:
         return {}
