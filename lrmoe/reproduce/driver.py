@@ -13,6 +13,7 @@ from lrmoe.files import CorruptFileError, read_json
 from lrmoe.runs import RunSpec, UsageError, pool, record_call, run_all, select, survey, torchrun, write_manifest
 from lrmoe.train.ep import world_size_from_env
 
+from . import memory_check
 from .presets import PRESETS, Preset, resolve_data
 from .progress import StepProgress, machine, machine_line
 
@@ -216,6 +217,7 @@ def _describe(p: Preset, out: Path, runs: list[RunSpec], n_done: int, n_pending:
 def _list_runs(p: Preset, out: Path, runs: list[RunSpec], sv, skip: str | None, missing: str | None) -> None:
     """--dry-run: one line per run (stdout), what a real call would do about it or refuse (stderr)."""
     width = max([len(sv.label(r.name)) for r in runs] + [8])
+    estimates = memory_check.stored(out) if p.launcher == "torchrun" else {}
     for r in runs:
         c, st = r.config, sv.states[r.name]
         print(f"  {r.name:28s} {','.join(r.experiments):8s} {sv.label(r.name):{width}s} "
@@ -232,11 +234,15 @@ def _list_runs(p: Preset, out: Path, runs: list[RunSpec], sv, skip: str | None, 
                   + ", ".join(q.name for q in st.leftovers), file=sys.stderr)
         if p.launcher == "torchrun":
             print("    " + shlex.join(torchrun.torchrun_command(r, out / r.name, p.nproc)))
+            print("    " + memory_check.column(r, p.nproc, estimates))
     if missing:
         print(f"  note: {missing}: a real call stops with status 2 before it writes or fetches anything",
               file=sys.stderr)
     if skip:
         print(f"  note: {skip}: a real call stops with status 2 and runs nothing", file=sys.stderr)
+    if p.launcher == "torchrun":
+        for line in _checkpoints_missing(runs):
+            print(f"  note:{line}: a real call stops with status 2 before launching", file=sys.stderr)
 
 
 def _launch_torchrun(p: Preset, out: Path, all_runs: list[RunSpec], runs: list[RunSpec], pending: list[RunSpec],
@@ -256,11 +262,46 @@ def _launch_torchrun(p: Preset, out: Path, all_runs: list[RunSpec], runs: list[R
               f"a machine (from the repository root), or `{p.command()}` there, which runs "
               f"them one after another and then the figures.", file=sys.stderr)
         return 2
+    refusal = _preflight(p, out, pending)
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
     t0, at_start = time.perf_counter(), machine()
     write_manifest(out, _manifest(p, all_runs, at_start))
     failures = torchrun.launch_each(pending, out, p.nproc)
     return _finish(p, out, runs, pending, failures, time.perf_counter() - t0, 1, None, figures, at_start, ref, simulate)
+
+
+def _checkpoints_missing(runs: list[RunSpec]) -> list[str]:
+    """Why the runs' ``init_from`` checkpoints cannot be read here (one line each; empty: all can)."""
+    from ..hf.loading import checkpoint_dir
+
+    lines = []
+    for name in sorted({r.config.get("init_from") for r in runs} - {None}):
+        try:
+            checkpoint_dir(name)
+        except ValueError as e:
+            lines.append(f"  {e}")
+    return lines
+
+
+def _preflight(p, out: Path, pending: list[RunSpec]) -> str | None:
+    """Before the first launch on a GPU machine: every checkpoint is downloaded and every run fits
+    the GPUs and the host by its memory estimate (:mod:`lrmoe.reproduce.memory_check`); the refusal
+    text, or None."""
+    lines = _checkpoints_missing(pending)
+    if lines:
+        return "\n".join([f"{p.prog}: checkpoints the runs start from are not here, so nothing was run:", *lines])
+    mem = memory_check.machine_memory()
+    if mem is None:
+        return None
+    lines = memory_check.check(pending, p.nproc, out, *mem, say=lambda line: print(f"  {line}", file=sys.stderr))
+    if lines:
+        return "\n".join([f"{p.prog}: runs estimated not to fit this machine ({mem[0] / 2**30:.0f} GiB per GPU, "
+                          f"{mem[1] / 2**30:.0f} GiB host), so nothing was run (estimates: "
+                          f"{out / memory_check.LOCAL}; docs/memory.md says what fits where):", *lines])
+    return None
 
 
 def _finish(p, out, runs, pending, failures, wall, jobs, only, figures, at_start, reference, simulate=True) -> int:

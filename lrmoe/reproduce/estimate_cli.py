@@ -2,6 +2,7 @@
 
     lrmoe estimate-memory --preset paper --run qwen3-C20-lrm-s0            # the preset's run, its world
     lrmoe estimate-memory --preset paper --run glm4-C20-lrm-s0 --offload experts --world 8
+    lrmoe estimate-memory --preset paper --run qwen3-C20-lrm-s0 --save   # for lrmoe reproduce's check
     lrmoe estimate-memory --model qwen3-30b-a3b --ep 8 --fsdp --activation-checkpointing --micro-batch 32 \\
         --seq-len 8192 --world 8 --gpu-gib 80 --json est.json
 
@@ -33,6 +34,9 @@ def register_cli(sub) -> None:
                                                         "optimizer state from the start)")
     p.add_argument("--doc-len", type=int, default=None, help="tokens per packed document (default 512)")
     p.add_argument("--json", type=Path, default=None, help="also write the estimate here")
+    p.add_argument("--save", type=Path, nargs="?", const=Path("results/memory/estimates.json"), default=None,
+                   help="add the estimate to an estimates file that `lrmoe reproduce` reads before launching "
+                        "(default with no value: results/memory/estimates.json, the committed one)")
     add_config_arguments(p)
     p.set_defaults(func=_cli)
 
@@ -80,6 +84,11 @@ def _cli(args) -> int:
         print(f"lrmoe estimate-memory: {e}", file=sys.stderr)
         return 2
     print(table(res))
+    if args.save is not None:
+        from .memory_check import save
+
+        save(args.save, cfg.to_dict(), world, res, args.run)
+        print(f"saved in {args.save}", file=sys.stderr)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(res, indent=1, default=str))

@@ -123,13 +123,18 @@ PRESETS: dict[str, Preset] = {
                  "(torchrun, LRMoE placement), seq 8192, micro-batch 4 per GPU, 10,000 steps",
         {"qwen3": "qwen3-30b-a3b", "glm4": "glm-4.5-air"},
         # micro_batch counts the rows of one forward over all ranks: 32 = 4 per GPU x 8 GPUs
+        # fsdp, activation checkpointing and the experts' fp32 state on the host: what the memory estimate needs
+        # on 8 x 80 GiB (docs/memory.md; each launch is checked against it first, lrmoe.reproduce.memory_check)
         dict(_GPU_BASE, micro_batch=32, grad_accum=1, steps=10_000, warmup_steps=100, lr=1e-5,
-             eval_interval=1000, checkpoint_interval=500, ep=8, placement="lrmoe"), None,
+             eval_interval=1000, checkpoint_interval=500, ep=8, placement="lrmoe", fsdp=True,
+             activation_checkpointing=True, offload="experts"), None,
         # fine-tuning of the released checkpoints with their own tokenizers (the paper does not say
         # whether it starts from them; a PPL of 1.015 on Alpaca suggests so)
         family_config={"qwen3": {"init_from": "Qwen/Qwen3-30B-A3B", "tokenizer": "Qwen/Qwen3-30B-A3B"},
                        "glm4": {"init_from": "zai-org/GLM-4.5-Air", "tokenizer": "zai-org/GLM-4.5-Air"}},
-        e2_seeds=(0, 1, 2), jobs=1, launcher="torchrun", nproc=8, hardware="8x NVIDIA Hopper (80 GiB), EP8",
+        e2_seeds=(0, 1, 2), jobs=1, launcher="torchrun", nproc=8,
+        hardware="8x NVIDIA Hopper (80 GiB), EP8; host memory: 0.5 TB (Qwen3) and 1.5 TB (GLM-4.5-Air) for the "
+                 "offloaded expert state (estimated, docs/memory.md)",
         # E3: every method at EP8 with its own placement (the base's lrmoe replaced), each recording its
         # routing trace; T3/F4 then read their logged MoE-layer times ("measured, 8 x GPU") beside the
         # simulated replay. One seed: each run costs as much as an E1 run. LRMoE at C20 is E1's C20 run

@@ -29,6 +29,8 @@ def train_flags(config: dict | TrainConfig) -> list[str]:
             one = "--model-override" if name == "model_overrides" else "--ep-option"
             for k, x in v.items():
                 args += [one, f"{k}={json.dumps(x)}"]
+        elif isinstance(v, bool):  # --fsdp / --no-fsdp
+            args.append(flag if v else "--no-" + flag[2:])
         elif name == "sample_layers":
             args += [flag, *map(str, v)]
         else:

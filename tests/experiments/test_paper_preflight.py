@@ -1,0 +1,81 @@
+"""The `paper` preset's launch: its scale options, the torchrun commands it prints (parsed back by
+`lrmoe train` to the same config), and the memory check that refuses runs estimated not to fit
+(lrmoe.reproduce.memory_check), with the estimator replaced by a stand-in that counts its calls."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lrmoe.cli import build_parser
+from lrmoe.reproduce import memory_check
+from lrmoe.reproduce.presets import PRESETS
+from lrmoe.runs import torchrun
+from lrmoe.train.cli import config_from_args
+
+GIB = 2 ** 30
+
+
+def test_paper_preset_turns_on_the_scale_options():
+    for r in PRESETS["paper"].runs():
+        c = r.config
+        assert (c["fsdp"], c["activation_checkpointing"], c["offload"], c["ep"]) == (True, True, "experts", 8), r.name
+
+
+def test_paper_torchrun_commands_parse_back_to_the_runs_config(tmp_path):
+    for r in PRESETS["paper"].runs():
+        cmd = torchrun.torchrun_command(r, tmp_path / r.name, 8)
+        argv = cmd[cmd.index("lrmoe.cli") + 1:]
+        args = build_parser(argv).parse_args(argv)
+        assert config_from_args(args).to_dict() == r.train_config(tmp_path / r.name).to_dict(), r.name
+
+
+class _Estimator:
+    def __init__(self, peak_of):
+        self.peak_of, self.calls = peak_of, []
+
+    def __call__(self, config, world):
+        self.calls.append((config["drop_ratio"], config["scorer"], config["seed"]))
+        peak, host = self.peak_of(config)
+        return {"peak_gib": peak, "counted_peak_gib": peak - 3, "offloaded_to_host_gib": host, "overhead_gib": 3.0,
+                "categories_gib": {"Param": 1.0}, "demand": "balanced"}
+
+
+def _runs(family="qwen3"):
+    return [r for r in PRESETS["paper"].runs() if r.name.startswith(family)]
+
+
+def test_memory_check_estimates_each_memory_config_once_and_refuses_what_does_not_fit(tmp_path):
+    runs = _runs()
+    est = _Estimator(lambda c: (90.0 if c["drop_ratio"] == 0.0 else 40.0, 10.0))
+    lines = memory_check.check(runs, 8, tmp_path, 80 * GIB, 2000 * GIB, estimate=est, say=lambda s: None)
+    keys = {memory_check.memory_key(r.config, 8) for r in runs}
+    assert len(est.calls) == len(keys) < len(runs)  # scorers and seeds share an estimate
+    c0 = [r.name for r in runs if r.config["drop_ratio"] == 0.0 and r.config["placement"] == "lrmoe"]
+    assert c0 and all(any(line.strip().startswith(n + ":") for line in lines) for n in c0)
+    assert all("90.0 GiB per GPU" in line or "as " in line for line in lines)
+    assert not any("C20-lrm" in line for line in lines)
+    stored = json.loads((tmp_path / memory_check.LOCAL).read_text())
+    assert len(stored) == len(keys)
+    # a second check reads the stored estimates: nothing is computed again
+    est2 = _Estimator(lambda c: pytest.fail("estimated again"))
+    assert memory_check.check(runs, 8, tmp_path, 80 * GIB, 2000 * GIB, estimate=est2, say=lambda s: None) == lines
+    # the host: 10 GiB per GPU x 8 ranks = 80 GiB > 64 GiB
+    host = memory_check.check(runs, 8, tmp_path, 141 * GIB, 64 * GIB, estimate=est2, say=lambda s: None)
+    assert host and all("host memory" in line or "as " in line for line in host)
+    assert len([line for line in host if "as " not in line]) == len(keys)
+
+
+def test_dry_run_column(tmp_path):
+    r = _runs()[0]
+    assert "not estimated yet" in memory_check.column(r, 8, {})
+    memory_check.save(tmp_path / "e.json", r.config, 8, {"peak_gib": 19.8, "counted_peak_gib": 16.8,
+                                                         "offloaded_to_host_gib": 54.0, "overhead_gib": 3.0,
+                                                         "categories_gib": {}, "demand": "balanced"}, r.name)
+    got = json.loads((tmp_path / "e.json").read_text())
+    assert memory_check.column(r, 8, got) == "memory: 19.8 GiB/GPU estimated, host 54 GiB/GPU"
+    # the key ignores what memory does not depend on (seed, scorer), not what it does (drop ratio, world)
+    other_seed = dict(r.config, seed=7, scorer="random")
+    assert memory_check.memory_key(other_seed, 8) == memory_check.memory_key(r.config, 8)
+    assert memory_check.memory_key(dict(r.config, drop_ratio=0.5), 8) != memory_check.memory_key(r.config, 8)
+    assert memory_check.memory_key(r.config, 16) != memory_check.memory_key(r.config, 8)
