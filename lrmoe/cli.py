@@ -16,6 +16,7 @@ COMMANDS = {
     "bench": "lrmoe.bench.cli",
     "train": "lrmoe.train.cli",
     "estimate-memory": "lrmoe.reproduce.estimate_cli",
+    "export-hf": "lrmoe.train.export",
     "reproduce": "lrmoe.reproduce",
     "ablate": "lrmoe.ablate.cli",
     "figures": "paper_figures.cli",

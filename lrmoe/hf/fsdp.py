@@ -24,8 +24,8 @@ Applied once, to the unmodified (EP-sharded) model, as torchtitan's ``paralleliz
   state stay on the host (``CPUOffloadPolicy``; the optimizer steps them on the CPU).
 
 Parameters become DTensors; :func:`clip_grad_norm_` clips them by the global norm, and
-:func:`local_optimizer_state` / :func:`restore_optimizer_state` move an optimizer's sharded state
-through plain tensors (per-rank checkpoint files)."""
+:func:`restore_optimizer_state` wraps an optimizer's sharded state read from plain tensors (the
+per-rank files of checkpoint sets written before torch.distributed.checkpoint) back into DTensors."""
 from __future__ import annotations
 
 import torch
@@ -130,16 +130,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     return norm.float().cpu()
 
 
-def local_optimizer_state(state_dict: dict) -> dict:
-    """An optimizer's ``state_dict()`` with every DTensor state replaced by its local shard (what
-    this rank's checkpoint file holds)."""
-    state = {k: {n: _local(v) if isinstance(v, DTensor) else v for n, v in s.items()}
-             for k, s in state_dict["state"].items()}
-    return {**state_dict, "state": state}
-
-
 def restore_optimizer_state(opt: torch.optim.Optimizer) -> None:
-    """After ``opt.load_state_dict`` of a :func:`local_optimizer_state` dict: wrap each state tensor of
+    """After ``opt.load_state_dict`` of an optimizer state dict whose DTensor states were saved as their
+    local shards (checkpoint sets of older versions): wrap each state tensor of
     a DTensor parameter back into a DTensor laid out as the parameter (its local shard, on its device)."""
     for group in opt.param_groups:
         for p in group["params"]:

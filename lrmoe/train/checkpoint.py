@@ -5,12 +5,17 @@ one atomic write (:func:`lrmoe.files.atomic_write`: fsynced, renamed over the ol
 temporary file removed on failure), so a run killed at any moment finds the old checkpoint or
 the new one.
 
-Under torchrun a checkpoint is a *set*: every rank r writes ``checkpoint.step{N}.rank{r}.pt``
-(its optimizer shard, RNG states and planner state of step N), then rank 0 writes
-``checkpoint.pt`` (the full weights and the common state), which names the rank files of its step:
-that write is the commit point. Only after it do the ranks delete their files of other steps. So
-the committed main file always names a complete set, however often the run is killed inside the
-sequence (:func:`save_sharded`, :func:`load_rank_state`).
+Under torchrun a checkpoint is a *set*: the ranks first write the weights and optimizer state of
+step N with ``torch.distributed.checkpoint`` into the folder ``checkpoint.step{N}.dcp/`` (each rank
+its own shards: FSDP's DTensor shards, its EP block of experts; a tensor every rank holds alike is
+written once), then every rank r writes ``checkpoint.step{N}.rank{r}.pt`` (its RNG states and
+planner state), then rank 0 writes ``checkpoint.pt`` (the common state: config, scheduler, data
+position, the model's config), which names the folder and the rank files of its step: that write
+is the commit point. Only after it are the files and folders of other steps deleted. So the
+committed main file always names a complete set, however often the run is killed inside the
+sequence (:func:`save_sharded`, :func:`load_rank_state`). Sets written before the DCP folder
+(the full weights in ``checkpoint.pt``, each rank's optimizer state in its rank file) still resume.
+``lrmoe export-hf`` turns any checkpoint into a Hugging Face model folder (:mod:`lrmoe.train.export`).
 """
 from __future__ import annotations
 
@@ -102,10 +107,17 @@ def _legacy_rank_files(path: Path, rank: int) -> list[Path]:
     return [path.with_name(f"{path.stem}.rank{rank}{s}{path.suffix}") for s in ("", ".prev")]
 
 
+def dcp_dir(path, step: int) -> Path:
+    """The ``torch.distributed.checkpoint`` folder of the set of ``step``."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.step{step}.dcp")
+
+
 def save_sharded(path, step: int, rank: int, rank_state: dict, main_state: Callable[[], dict] | None,
                  barrier: Callable[[], None]) -> None:
-    """Write this rank's part of the checkpoint set of ``step``; ``main_state`` (rank 0 only, else
-    None) gives the main file's content. Every rank calls it; ``barrier`` waits for all of them."""
+    """Write this rank's part of the checkpoint set of ``step`` (after its DCP folder, when it has
+    one, is written); ``main_state`` (rank 0 only, else None) gives the main file's content. Every
+    rank calls it; ``barrier`` waits for all of them."""
     path = Path(path)
     save({**rank_state, "step": step, "rank": rank}, rank_file(path, step, rank))
     barrier()  # every rank file of this step exists
@@ -117,7 +129,8 @@ def save_sharded(path, step: int, rank: int, rank_state: dict, main_state: Calla
 
 
 def remove_stale_rank_files(path, rank: int, keep_step: int) -> None:
-    """Delete this rank's files of every other step (after the set of ``keep_step`` is committed)."""
+    """Delete this rank's files of every other step (after the set of ``keep_step`` is committed);
+    rank 0 also deletes the DCP folders of other steps."""
     path = Path(path)
     keep = rank_file(path, keep_step, rank)
     for f in path.parent.glob(f"{path.stem}.step*.rank{rank}{path.suffix}"):
@@ -125,6 +138,13 @@ def remove_stale_rank_files(path, rank: int, keep_step: int) -> None:
             f.unlink(missing_ok=True)
     for f in _legacy_rank_files(path, rank):
         f.unlink(missing_ok=True)
+    if rank == 0:
+        keep_dir = dcp_dir(path, keep_step)
+        for d in path.parent.glob(f"{path.stem}.step*.dcp"):
+            if d != keep_dir and d.is_dir():
+                for f in sorted(d.rglob("*"), reverse=True):  # files before their folders
+                    f.rmdir() if f.is_dir() else f.unlink(missing_ok=True)
+                d.rmdir()
 
 
 def load_rank_state(path, ck: dict, rank: int) -> dict:

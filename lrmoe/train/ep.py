@@ -27,13 +27,14 @@ Semantics (docs/expert_parallel.md, "Training with torchrun"):
   ``moe_plan_s``, the step's planning seconds over all MoE layers and micro-batches, EP rows only). Rank 0
   alone writes ``metrics.jsonl`` and ``summary.json``. Evaluation runs on every rank, each on its
   share of every held-out micro-batch.
-* Checkpoints: ``checkpoint.pt`` (rank 0) holds the full, unsharded weights (gathered to rank 0 alone, layer by
-  layer to the CPU), the scheduler, the data position, rank 0's RNG and the world layout;
-  ``checkpoint.step{N}.rank{r}.pt`` (every rank) holds that rank's optimizer state (its expert
-  shards), RNG states and the placement planners' state at step N. Rank files are written first,
-  then the main file, which names the rank files of its step (the commit point); only then are
-  the rank files of other steps deleted, so a run killed at any moment, however often, resumes
-  from a consistent set (:mod:`lrmoe.train.checkpoint`).
+* Checkpoints: ``checkpoint.step{N}.dcp/`` holds the weights and optimizer state, written by every
+  rank with ``torch.distributed.checkpoint`` (its FSDP shards and its EP block of experts; nothing
+  is gathered); ``checkpoint.step{N}.rank{r}.pt`` (every rank) that rank's RNG states and the
+  placement planners' state; ``checkpoint.pt`` (rank 0) the scheduler, the data position, the
+  config and the world layout. The folder and rank files are written first, then the main file,
+  which names them (the commit point); only then are the files of other steps deleted, so a run
+  killed at any moment, however often, resumes from a consistent set (:mod:`lrmoe.train.checkpoint`).
+  ``lrmoe export-hf`` writes the full weights as a Hugging Face model folder.
 """
 from __future__ import annotations
 
@@ -257,56 +258,64 @@ class DistributedRunner:
         return float(t[0]), int(t[1])
 
     # ------------------------------------------------------------------ checkpoints
-    def full_state_dict_cpu(self, model) -> dict | None:
-        """The unsharded state dict on rank 0 (CPU tensors), None elsewhere. A collective of rank
-        0's EP group (the other EP groups hold the same weights and take no part): each layer's
-        expert shards are gathered to rank 0 alone (``dist.gather``; the other ranks allocate
-        nothing) and go to the CPU at once, so no GPU ever holds more than one layer's full
-        expert weights, and only rank 0's does."""
-        sd = model.state_dict()
-        sharded = fsdp.is_sharded(model)
-        ep_of = {id(m): ep for m, ep in zip(ep_hf.ep_modules(model), self.eps)}  # both in layer order
-        owners = {}
+    def ep_keys(self, model) -> dict[str, str]:
+        """State-dict keys of the EP-sharded expert weights -> their key in the DCP folder, which names
+        the block (``...gate_up_proj@ep{r}of{G}``): each EP rank holds a different tensor under the same
+        name, which torch.distributed.checkpoint would otherwise take for copies of one."""
+        keys = {}
         for mname, m in model.named_modules():
-            ep = ep_of.get(id(m))
-            if ep is not None:
+            ep = getattr(m, "lrmoe_ep", None)
+            if isinstance(ep, ExpertParallel) and ep.world_size > 1:
                 for pname in ("gate_up_proj", "down_proj"):
-                    owners[f"{mname}.{pname}" if mname else pname] = ep
-        out = {} if self.is_main else None
-        for key, t in sd.items():
-            if sharded:  # FSDP: every rank takes part in the tensor's all-gather (one tensor at a time)
-                t = fsdp.full_tensor(t, self.device)
-            ep = owners.get(key)
-            if ep is not None and ep.world_size > 1:
-                if 0 not in dist.get_process_group_ranks(ep.group):
-                    continue  # not rank 0's EP group: a data-parallel copy of the same weights
-                local = t.contiguous()
-                full = parts = None
-                if out is not None:  # one buffer for the whole layer; the gather writes its shards in place
-                    full = local.new_empty((ep.world_size * local.shape[0], *local.shape[1:]))
-                    parts = list(full.chunk(ep.world_size))  # contiguous views along dim 0
-                dist.gather(local, parts, dst=0, group=ep.group)  # dst: a global rank
-                t = full if full is not None else t
-            if out is not None:
-                out[key] = t.detach().cpu()
-        return out
+                    key = f"{mname}.{pname}" if mname else pname
+                    keys[key] = f"{key}@ep{ep.rank}of{ep.world_size}"
+        return keys
+
+    def sharded_state(self, model, opt) -> dict:
+        """{"model": ..., "optim": ...}: this rank's tensors (DTensor shards, its EP block), keyed for DCP."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        rename = self.ep_keys(model)
+        msd = get_model_state_dict(model)
+        osd = get_optimizer_state_dict(model, opt)
+        return {"model": {rename.get(k, k): v for k, v in msd.items()},
+                "optim": {**osd, "state": {rename.get(k, k): v for k, v in osd["state"].items()}}}
+
+    def save_sharded_state(self, folder: Path, model, opt) -> None:
+        """Write the weights and optimizer state with torch.distributed.checkpoint (collective)."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self.sharded_state(model, opt), checkpoint_id=str(folder))
+
+    def load_sharded_state(self, folder: Path, model, opt) -> None:
+        """Read them back in place (each rank its shards) and set them on the model and optimizer."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        if not (folder / ".metadata").exists():
+            raise ValueError(f"{folder} is missing or incomplete (no .metadata): copy the checkpoint together "
+                             f"with its folder {folder.name}")
+        state = self.sharded_state(model, opt)
+        dcp.load(state, checkpoint_id=str(folder))
+        back = {v: k for k, v in self.ep_keys(model).items()}
+        set_model_state_dict(model, {back.get(k, k): v for k, v in state["model"].items()})
+        osd = state["optim"]
+        set_optimizer_state_dict(model, opt, {**osd, "state": {back.get(k, k): v for k, v in osd["state"].items()}})
 
     def save_checkpoint(self, path: Path, common: dict, model, opt, rng_state: dict) -> None:
-        """One checkpoint set (every rank calls it; the full weights are gathered to rank 0 first)."""
-        full = self.full_state_dict_cpu(model)
+        """One checkpoint set (every rank calls it; see lrmoe.train.checkpoint): the DCP folder of
+        the step, the rank files, then the main file."""
+        step = common["step"]
+        folder = checkpoint.dcp_dir(path, step)
+        self.save_sharded_state(folder, model, opt)
         main = None
         if self.is_main:
             def main():
-                return {**common, "model": full, "world_size": self.world, "ep_size": self.env.ep_size}
+                return {**common, "dcp": folder.name, "world_size": self.world, "ep_size": self.env.ep_size}
         # host barriers: writing hundreds of GB may outlast the collective timeout
-        checkpoint.save_sharded(path, common["step"], self.rank,
-                                {"world_size": self.world, "optimizer": self.optimizer_state(model, opt), "rng": rng_state,
+        checkpoint.save_sharded(path, step, self.rank,
+                                {"world_size": self.world, "rng": rng_state,
                                  "placement_state": [ep.state for ep in self.eps]}, main, host_barrier)
-
-    @staticmethod
-    def optimizer_state(model, opt) -> dict:
-        """This rank's optimizer state (with FSDP: its shards, as plain tensors)."""
-        return fsdp.local_optimizer_state(opt.state_dict()) if fsdp.is_sharded(model) else opt.state_dict()
 
     def load_checkpoint(self, path: Path) -> dict:
         ck = checkpoint.load(path, mmap=True)
@@ -317,20 +326,28 @@ class DistributedRunner:
         return ck
 
     def load_state(self, path: Path, ck: dict, model, opt, set_rng) -> None:
-        """Weights from the main checkpoint, optimizer/RNG/planner state from this rank's file of its set."""
+        """Weights and optimizer state from the set's DCP folder (or, in a set written before it, the
+        main file's full weights and this rank's optimizer file), RNG and planner state from this
+        rank's file of its set."""
+        rs = checkpoint.load_rank_state(path, ck, self.rank)
+        if "dcp" in ck:
+            self.load_sharded_state(Path(path).parent / ck["dcp"], model, opt)
+        else:
+            self._load_full_weights(ck, model, opt, rs)
+        set_rng(rs["rng"])
+        for ep, st in zip(self.eps, rs.get("placement_state", [])):
+            ep.state = st
+
+    def _load_full_weights(self, ck: dict, model, opt, rs: dict) -> None:
         sd = ep_hf.shard_state_dict(model, ck["model"]) if self.eps else ck["model"]
         sharded = fsdp.is_sharded(model)
         if sharded:
             fsdp.load_full_state_dict(model, sd)
         else:
             model.load_state_dict(sd)
-        rs = checkpoint.load_rank_state(path, ck, self.rank)
         opt.load_state_dict(rs["optimizer"])
         if sharded:
             fsdp.restore_optimizer_state(opt)
-        set_rng(rs["rng"])
-        for ep, st in zip(self.eps, rs.get("placement_state", [])):
-            ep.state = st
 
     # ------------------------------------------------------------------ end
     def barrier(self) -> None:

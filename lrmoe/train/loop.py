@@ -376,7 +376,8 @@ class Trainer:
         common = {"config": self.cfg.to_dict(), "step": self.step_done, "scheduler": self.sched.state_dict(),
                   "data_position": self.stream.position, "timings": self.timings,
                   "resumed_from": self.resumed_from, "threads": torch.get_num_threads(),
-                  "data_fingerprint": self.data_stats.get("source_fingerprint")}
+                  "data_fingerprint": self.data_stats.get("source_fingerprint"),
+                  "model_config": self.model.config.to_dict()}  # for lrmoe export-hf
         if self.trace is not None:  # before the checkpoint: a resume drops micro-batches past it
             self.trace.save()
         self.runner.save_checkpoint(self.ckpt_path, common, self.model, self.opt,

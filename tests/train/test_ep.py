@@ -151,15 +151,17 @@ def test_ep_lrmoe_c20_metrics_summary_and_files(runs):
     assert s["final"]["kept_fraction_mean"] == pytest.approx(0.8, abs=0.01)
     names = sorted(p.name for p in (runs / "lrmoe").iterdir() if p.name != ".lrmoe.lock")  # the run-folder lock
     # the last set only (step 6): the sets of steps 2 and 4 were deleted once a later one was committed
-    assert names == ["checkpoint.pt", "checkpoint.step6.rank0.pt", "checkpoint.step6.rank1.pt", "metrics.jsonl",
-                     "summary.json"]
-    # checkpoint.pt holds the full (unsharded) weights: 8 experts per layer
+    assert names == ["checkpoint.pt", "checkpoint.step6.dcp", "checkpoint.step6.rank0.pt",
+                     "checkpoint.step6.rank1.pt", "metrics.jsonl", "summary.json"]
+    # the weights are in the step's DCP folder: each rank's block of 4 experts under its own name
     import torch
+    from torch.distributed.checkpoint import FileSystemReader
 
     ck = torch.load(runs / "lrmoe" / "checkpoint.pt", map_location="cpu", weights_only=False)
-    gu = [v for k, v in ck["model"].items() if k.endswith("experts.gate_up_proj")]
-    assert len(gu) == 2 and all(v.shape[0] == 8 for v in gu)
-    assert (ck["world_size"], ck["ep_size"], ck["step"]) == (2, 2, 6)
+    assert "model" not in ck and (ck["world_size"], ck["ep_size"], ck["step"]) == (2, 2, 6)
+    meta = FileSystemReader(str(runs / "lrmoe" / ck["dcp"])).read_metadata().state_dict_metadata
+    gu = sorted(k for k in meta if k.startswith("model.") and "experts.gate_up_proj" in k)
+    assert len(gu) == 4 and all(meta[k].size[0] == 4 for k in gu)
 
 
 def test_ep_rows_carry_the_planning_time(runs):

@@ -17,7 +17,9 @@ from lrmoe.train import checkpoint
 from lrmoe.train.ep import DistributedRunner
 
 W = 2
-KILL_POINTS = range(W + 1 + 2 * W + 1)  # rank files, main file, deletions (at most 2 per rank), no kill
+# DCP folder files, rank files, main file, deletions (at most 2 rank files per rank, the old folder's
+# file per rank and the folder), no kill
+KILL_POINTS = range(W + W + 1 + 2 * W + W + 1 + 1)
 
 
 class Killed(Exception):
@@ -40,9 +42,18 @@ def _runner(rank: int) -> DistributedRunner:
     r.rank, r.world, r.is_main = rank, W, rank == 0
     r.env = types.SimpleNamespace(ep_size=W)
     r.eps = []
-    r.full_state_dict_cpu = lambda model: ({k: v.clone() for k, v in model.state_dict().items()}
-                                           if rank == 0 else None)
+    # the DCP folder's part of the sequence, as files of this rank (torch.save: a kill point each)
+    r.save_sharded_state = lambda folder, model, opt: (
+        folder.mkdir(exist_ok=True),
+        torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, folder / f"rank{rank}.pt"))
+    r.load_sharded_state = lambda folder, model, opt: _load_fake_dcp(folder, rank, model, opt)
     return r
+
+
+def _load_fake_dcp(folder, rank, model, opt):
+    state = torch.load(folder / f"rank{rank}.pt")
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optim"])
 
 
 def _model(step: int) -> torch.nn.Module:
@@ -139,7 +150,8 @@ def test_a_committed_set_replaces_every_older_file(tmp_path, monkeypatch, kill):
     _save(path, 4, kill, monkeypatch)
     assert _save(path, 6, None, monkeypatch)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "checkpoint.pt", *(f"checkpoint.step6.rank{r}.pt" for r in range(W))]
+        "checkpoint.pt", "checkpoint.step6.dcp", *(f"checkpoint.step6.rank{r}.pt" for r in range(W))]
+    assert sorted(p.name for p in (tmp_path / "checkpoint.step6.dcp").iterdir()) == [f"rank{r}.pt" for r in range(W)]
 
 
 def test_a_set_in_the_layout_before_step_named_files_still_resumes(tmp_path):
@@ -151,3 +163,14 @@ def test_a_set_in_the_layout_before_step_named_files_still_resumes(tmp_path):
     assert checkpoint.load_rank_state(path, torch.load(path), 0)["optimizer"] == {"x": 1}
     with pytest.raises(ValueError, match=r"no per-rank file of rank 1 matches it \(none found\)"):
         checkpoint.load_rank_state(path, torch.load(path), 1)
+
+
+def test_a_set_with_the_full_weights_in_the_main_file_still_resumes(tmp_path):
+    """Before the DCP folder, checkpoint.pt held the full weights and each rank file its optimizer state."""
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"step": 5, "rank_files": "checkpoint.step5.rank{r}.pt", "world_size": W, "ep_size": W,
+                "model": _model(5).state_dict(), "data_position": 5}, path)
+    for rank in range(W):
+        torch.save({"step": 5, "rank": rank, "optimizer": {"step": 5, "rank": rank}, "rng": {"step": 5}},
+                   checkpoint.rank_file(path, 5, rank))
+    assert _resume(path) == 5

@@ -100,21 +100,52 @@ def test_fsdp_resume_reproduces_the_uninterrupted_run(runs):
     assert json.loads((runs / "resumed" / "summary.json").read_text())["resumed_from"] == [2]
 
 
-def test_fsdp_checkpoint_holds_full_weights_and_sharded_optimizer_state(runs):
-    """checkpoint.pt: the full, unsharded weights (8 experts per layer, plain tensors) equal to what a
-    plain EP run would write; each rank file: that rank's optimizer shards as plain tensors."""
-    ck = torch.load(runs / "ep2_edp2" / "checkpoint.pt", map_location="cpu", weights_only=False)
-    gu = [v for k, v in ck["model"].items() if k.endswith("experts.gate_up_proj")]
-    assert len(gu) == 2 and all(v.shape[0] == 8 and type(v) is torch.Tensor for v in gu)
-    emb = ck["model"]["model.embed_tokens.weight"]
-    assert type(emb) is torch.Tensor and emb.shape[0] >= 300
-    states = [torch.load(runs / "ep2_edp2" / f"checkpoint.step4.rank{r}.pt", map_location="cpu",
-                         weights_only=False)["optimizer"]["state"] for r in range(4)]
-    # the embedding's AdamW moment: one quarter of the rows per rank (FSDP's dim-0 shards, padded last)
-    emb_key = next(k for k, st in states[0].items() if st["exp_avg"].shape[1:] == emb.shape[1:]
-                   and st["exp_avg"].shape[0] == -(-emb.shape[0] // 4))
-    assert sum(states[r][emb_key]["exp_avg"].shape[0] for r in range(4)) == emb.shape[0]
-    assert all(type(st["exp_avg"]) is torch.Tensor for s in states for st in s.values())
+def test_fsdp_checkpoint_is_a_dcp_folder_of_every_ranks_shards(runs):
+    """The set's weights and AdamW state are in checkpoint.step4.dcp/ (torch.distributed.checkpoint):
+    every rank wrote its file, each EP block of experts under its own name (4 of the 8 experts, sharded
+    over the 2 replicas by FSDP), the dense tensors at their full size; older steps' folders are gone."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run = runs / "ep2_edp2"
+    ck = torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=False)
+    assert "model" not in ck and ck["dcp"] == "checkpoint.step4.dcp" and ck["model_config"]["model_type"] == "qwen3_moe"
+    assert sorted(p.name for p in run.glob("checkpoint.step*")) == [
+        "checkpoint.step4.dcp", *(f"checkpoint.step4.rank{r}.pt" for r in range(4))]
+    folder = run / ck["dcp"]
+    assert len(list(folder.glob("*.distcp"))) == 4
+    meta = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    blocks = sorted(k for k in meta if k.startswith("model.") and "experts.gate_up_proj" in k)
+    assert blocks == [f"model.model.layers.{i}.mlp.experts.gate_up_proj@ep{r}of2" for i in (0, 1) for r in (0, 1)]
+    assert all(meta[k].size[0] == 4 for k in blocks)
+    assert meta["model.model.embed_tokens.weight"].size[0] >= 300
+    assert any(k.startswith("optim.state.model.layers.0.mlp.experts.gate_up_proj@ep1of2.exp_avg") for k in meta)
+
+
+def _exported(runs, name):
+    from transformers import AutoModelForCausalLM
+
+    from lrmoe import hf
+    from lrmoe.train.export import export_hf
+
+    out = runs / f"export-{name}"
+    if not out.exists():
+        export_hf(runs / name, out, dtype="fp32", max_shard_gib=0.0005)  # several shards and an index
+    hf.register()
+    return AutoModelForCausalLM.from_pretrained(out, experts_implementation=hf.IMPLEMENTATION, dtype=torch.float32)
+
+
+def test_export_hf_of_a_sharded_checkpoint(runs):
+    """lrmoe export-hf: the 2-rank FSDP set, resumed or not, exports the same weights bit for bit;
+    the single-process checkpoint exports weights within the runs' agreement; all load with
+    from_pretrained."""
+    assert (runs / "ep2" / "checkpoint.step4.dcp").is_dir()
+    a, b, single = _exported(runs, "ep2"), _exported(runs, "resumed"), _exported(runs, "single")
+    assert (runs / "export-ep2" / "model.safetensors.index.json").exists()
+    pa, pb, ps = dict(a.named_parameters()), dict(b.named_parameters()), dict(single.named_parameters())
+    assert pa.keys() == pb.keys() == ps.keys()
+    for k in pa:
+        assert torch.equal(pa[k], pb[k]), k
+        assert torch.allclose(pa[k], ps[k], atol=2e-3, rtol=0), (k, (pa[k] - ps[k]).abs().max())
 
 
 @pytest.mark.parametrize("over,msg", [
