@@ -143,6 +143,40 @@ def fsum(a):
     return hi
 
 
+@njit
+def exact_sum(a):
+    """``math.fsum(a)`` (the correctly rounded sum), fast: a compensated sum (every addition's error
+    kept exactly by TwoSum, the errors summed) whose result is returned when its error bound proves
+    it correctly rounded, else :func:`fsum` (rare: the sum lies within the bound of a rounding
+    boundary, or of zero)."""
+    n = a.size
+    s, c, err = 0.0, 0.0, 0.0
+    for k in range(n):
+        x = a[k]
+        t = s + x
+        z = t - s
+        e = (s - (t - z)) + (x - z)  # TwoSum: s + x == t + e exactly
+        s = t
+        c += e
+        err += abs(e)
+    hi = s + c
+    z = hi - s
+    lo = (s - (hi - z)) + (c - z)  # TwoSum(s, c): hi + lo == s + c exactly
+    if not (math.isfinite(hi) and hi != 0.0):
+        return fsum(a)
+    # |exact - (hi + lo)| <= gamma_n * sum|e|, gamma_n = n u / (1 - n u), taken twice for the rounding of err
+    bound = 2.0 * (n * 1.1102230246251565e-16) / (1.0 - n * 1.1102230246251565e-16) * err
+    m, ex = math.frexp(abs(hi))
+    if ex < -1000:
+        return fsum(a)
+    half_gap = math.ldexp(1.0, ex - 54)  # half the spacing above |hi|
+    if m == 0.5:
+        half_gap *= 0.5  # a power of two: the spacing below is half as wide
+    if abs(lo) + bound < half_gap:
+        return hi
+    return fsum(a)
+
+
 # ----------------------------------------------------------------------------- small integer helpers
 @njit
 def _desc_order(key):
@@ -151,25 +185,68 @@ def _desc_order(key):
 
 
 @njit
-def _add_top(out, rem, missing):
+def _kth_largest(buf, n, k):
+    """The k-th largest of buf[:n] (1 <= k <= n; buf is scratch: reordered)."""
+    lo, hi, target = 0, n - 1, k - 1
+    while lo < hi:
+        pivot = buf[(lo + hi) // 2]
+        i, j = lo, hi
+        while i <= j:  # Hoare partition, descending
+            while buf[i] > pivot:
+                i += 1
+            while buf[j] < pivot:
+                j -= 1
+            if i <= j:
+                buf[i], buf[j] = buf[j], buf[i]
+                i += 1
+                j -= 1
+        if target <= j:
+            hi = j
+        elif target >= i:
+            lo = i
+        else:
+            return buf[target]
+    return buf[target]
+
+
+@njit
+def _add_top_buf(out, rem, missing, buf):
     """``out[i] += 1`` for the ``missing`` entries of largest ``rem`` (ties: the lower index), as
-    ``out + (rank < missing)`` with ``rank`` from a stable argsort of ``-rem``."""
+    ``out + (rank < missing)`` with ``rank`` from a stable argsort of ``-rem``; ``buf``: scratch of
+    rem's size."""
+    n = rem.size
     if missing <= 0:
         return
-    n = rem.size
     if missing >= n:
         for i in range(n):
             out[i] += 1
         return
-    order = _desc_order(rem)
-    for k in range(missing):
-        out[order[k]] += 1
+    for i in range(n):
+        buf[i] = rem[i]
+    T = _kth_largest(buf, n, missing)
+    ties = missing
+    for i in range(n):
+        if rem[i] > T:
+            ties -= 1
+    for i in range(n):
+        if rem[i] > T:
+            out[i] += 1
+        elif rem[i] == T and ties > 0:
+            out[i] += 1
+            ties -= 1
 
 
 @njit
-def largest_remainder_col(total, w, out):
+def _add_top(out, rem, missing):
+    """:func:`_add_top_buf` with its own scratch."""
+    if missing > 0:
+        _add_top_buf(out, rem, missing, np.empty(rem.size, dtype=rem.dtype))
+
+
+@njit
+def largest_remainder_col(total, w, out, rem, buf):
     """``out[:] = largest_remainder(total, w)`` (:func:`lrmoe.planning.plan.largest_remainder_cols` of one
-    column); w >= 0 sums to > 0 whenever total != 0."""
+    column); w >= 0 sums to > 0 whenever total != 0. ``rem``, ``buf``: int64 scratch of w's size."""
     n = w.size
     W = 0
     for i in range(n):
@@ -178,14 +255,13 @@ def largest_remainder_col(total, w, out):
         for i in range(n):
             out[i] = 0
         return
-    rem = np.empty(n, dtype=np.int64)
     s = 0
     for i in range(n):
         p = w[i] * total
         out[i] = p // W
         rem[i] = p - out[i] * W
         s += out[i]
-    _add_top(out, rem, total - s)
+    _add_top_buf(out, rem, total - s, buf)
 
 
 # ----------------------------------------------------------------------------- quota policies
@@ -349,7 +425,7 @@ def search_setup(d_GE, q_E, prob):
         for e in range(E):
             row[e] = d_GE[r, e] * frac[e]
             sent += d_GE[r, e]
-        kept_sent = fsum(row)  # exactly rounded: every rank computes the same plan
+        kept_sent = exact_sum(row)  # exactly rounded (math.fsum): every rank computes the same plan
         mem_G[r] = (float(n_owned[r] * prob[5]) + float(prob[6]) * (sent + kept_sent) + float(prob[8] * sent)
                     + owned_w[r])
     order_G = _desc_order(cost_G)
@@ -504,6 +580,8 @@ def locality_split(d_GE, expert_N, rank_N, rows_N):
             send[s, e] = d_GE[s, e]
     rem = np.empty(G, dtype=np.int64)
     alloc = np.empty(G, dtype=np.int64)
+    scratch = np.empty(G, dtype=np.int64)
+    scratch2 = np.empty(G, dtype=np.int64)
     start = E
     while start < N:  # the replica columns of one expert: [start, stop)
         e = expert_N[start]
@@ -518,7 +596,7 @@ def locality_split(d_GE, expert_N, rank_N, rows_N):
             send[r, c] = take
             rem[r] -= take
         for c in range(start, stop):  # pass 2: the rest, largest remainder over the sources' pairs
-            largest_remainder_col(rows_N[c] - send[rank_N[c], c], rem, alloc)
+            largest_remainder_col(rows_N[c] - send[rank_N[c], c], rem, alloc, scratch, scratch2)
             for s in range(G):
                 send[s, c] += alloc[s]
                 rem[s] -= alloc[s]
@@ -846,10 +924,12 @@ def quota_matrix(kept_N, send):
     quota = np.empty((G, N), dtype=np.int64)
     w = np.empty(G, dtype=np.int64)
     out = np.empty(G, dtype=np.int64)
+    rem = np.empty(G, dtype=np.int64)
+    buf = np.empty(G, dtype=np.int64)
     for c in range(N):
         for s in range(G):
             w[s] = send[s, c]
-        largest_remainder_col(kept_N[c], w, out)
+        largest_remainder_col(kept_N[c], w, out, rem, buf)
         for s in range(G):
             quota[s, c] = out[s]
     return quota
@@ -935,29 +1015,33 @@ def threshold(qs, prob, reps):
 @njit
 def search_fits(qs, prob, reps, top_first, thr):
     """``_QuotaSearch.fits``: whether the plan of these quotas fits. ``thr``: the threshold when known
-    (else -1). Returns (fits, the threshold or -1 when not computed)."""
-    budget = prob[10]
-    if not budget < math.inf:
-        thr = threshold(qs, prob, reps) if thr < 0 else thr
-        return candidate_fits(thr, qs, prob, reps) == 1, thr
+    (else -1). Returns (fits, the threshold or -1 when not computed, whether the candidate at the
+    threshold is known to fit: the plan is then that candidate)."""
+    if not prob[10] < math.inf:  # every candidate fits: the plan is the one at the threshold
+        return True, threshold(qs, prob, reps) if thr < 0 else thr, True
     if qs[12]:
-        return False, thr
+        return False, thr, False
     if not top_first:
         thr = threshold(qs, prob, reps) if thr < 0 else thr
         if candidate_fits(thr, qs, prob, reps) == 1:
-            return True, thr
+            return True, thr, True
+        if candidate_fits(qs[11], qs, prob, reps) == 1:
+            return True, thr, False
+        return False, thr, False
     if candidate_fits(qs[11], qs, prob, reps) == 1:
-        return True, thr
+        return True, thr, False
     thr = threshold(qs, prob, reps) if thr < 0 else thr
-    return candidate_fits(thr, qs, prob, reps) == 1, thr
+    fit = candidate_fits(thr, qs, prob, reps) == 1
+    return fit, thr, fit
 
 
 @njit
-def search_tau(qs, prob, reps, thr):
+def search_tau(qs, prob, reps, thr, thr_fits):
     """``_QuotaSearch._search``: the threshold of the plan returned for these quotas (the cost-optimal
-    one, or when that one is over the budget, the smallest higher one that fits, if any)."""
+    one, or when that one is over the budget, the smallest higher one that fits, if any).
+    ``thr_fits``: the candidate at the cost-optimal threshold ``thr`` is known to fit."""
     hi, top, slack = thr, qs[11], qs[13]
-    if candidate_fits(hi, qs, prob, reps) == 1 or not prob[10] < math.inf:
+    if thr_fits or not prob[10] < math.inf or candidate_fits(hi, qs, prob, reps) == 1:
         return hi
     if hi == top or candidate_fits(top, qs, prob, reps) != 1:
         return hi
@@ -984,60 +1068,57 @@ def search_tau(qs, prob, reps, thr):
 @njit
 def keep_search(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep):
     """The kept-pair search of one demand piece with a built-in quota policy (``plan_lrmoe``'s
-    keep_search): (n_keep, its threshold or -1, quota status); n_keep -1 when even lo_keep does not
-    fit. ``num / den``: the kept fraction of the drop ratio (hi_keep is its own n_keep)."""
-    G = d_GE.shape[0]
+    keep_search): (n_keep, its quotas' threshold or -1, whether the candidate there is known to fit,
+    quota status); n_keep -1 when even lo_keep does not fit. ``num / den``: the kept fraction of the
+    drop ratio (hi_keep is its own n_keep)."""
     d_E = d_GE.sum(0)
-    P = d_E.sum()
     reps = replica_buffer(prob)
     # hi_keep first, the cost-optimal candidate first (it usually fits)
-    fit, thr, bad = _fits_keep(d_GE, d_E, P, G, prob, reps, policy, min_keep, num, den, hi_keep, hi_keep, False)
-    if bad != QUOTA_OK:
-        return -1, -1, bad
-    if fit:
-        return hi_keep, thr, QUOTA_OK
-    fit, thr, bad = _fits_keep(d_GE, d_E, P, G, prob, reps, policy, min_keep, num, den, hi_keep, lo_keep, True)
-    if bad != QUOTA_OK:
-        return -1, -1, bad
-    if not fit:
-        return -1, -1, QUOTA_OK
-    lo_thr = thr
-    slack = slack_units(prob[13], P)
+    fit, thr, thr_fits, bad = _fits_keep(d_GE, d_E, prob, reps, policy, min_keep, num, den, hi_keep, hi_keep, False)
+    if bad != QUOTA_OK or fit:
+        return (hi_keep if fit else -1), thr, thr_fits, bad
+    fit, thr, thr_fits, bad = _fits_keep(d_GE, d_E, prob, reps, policy, min_keep, num, den, hi_keep, lo_keep, True)
+    if bad != QUOTA_OK or not fit:
+        return -1, -1, False, bad
+    slack = slack_units(prob[13], d_E.sum())
     while hi_keep - lo_keep > slack:  # lo_keep fits, hi_keep does not
         mid = (lo_keep + hi_keep) // 2
-        fit, thr, bad = _fits_keep(d_GE, d_E, P, G, prob, reps, policy, min_keep, num, den, hi_keep, mid, True)
+        fit, t, t_fits, bad = _fits_keep(d_GE, d_E, prob, reps, policy, min_keep, num, den, hi_keep, mid, True)
         if bad != QUOTA_OK:
-            return -1, -1, bad
+            return -1, -1, False, bad
         if fit:
-            lo_keep, lo_thr = mid, thr
+            lo_keep, thr, thr_fits = mid, t, t_fits
         else:
             hi_keep = mid
-    return lo_keep, lo_thr, QUOTA_OK
+    return lo_keep, thr, thr_fits, QUOTA_OK
 
 
 @njit
-def _fits_keep(d_GE, d_E, P, G, prob, reps, policy, min_keep, num, den, hi_keep, n_keep, top_first):
-    if over_memory_floor(prob, G, P, min(n_keep, P)):
-        return False, -1, QUOTA_OK
+def _fits_keep(d_GE, d_E, prob, reps, policy, min_keep, num, den, hi_keep, n_keep, top_first):
+    """Whether the plan keeping n_keep pairs fits (``plan_lrmoe``'s fits_keep): the floor test from the
+    pair counts first, then the quotas' search (:func:`search_fits`), plus the quota status."""
+    P = d_E.sum()
+    if over_memory_floor(prob, d_GE.shape[0], P, min(n_keep, P)):
+        return False, -1, False, QUOTA_OK
     q_E = quota(d_E, n_keep, policy, min_keep, num, den, n_keep == hi_keep)
     bad = quota_status(d_E, q_E, min(n_keep, P))
     if bad != QUOTA_OK:
-        return False, -1, bad
-    qs = search_setup(d_GE, q_E, prob)
-    fit, thr = search_fits(qs, prob, reps, top_first, -1)
-    return fit, thr, QUOTA_OK
+        return False, -1, False, bad
+    fit, thr, thr_fits = search_fits(search_setup(d_GE, q_E, prob), prob, reps, top_first, -1)
+    return fit, thr, thr_fits, QUOTA_OK
 
 
 @njit
-def quota_result(d_GE, q_E, prob, thr):
+def quota_result(d_GE, q_E, prob, thr, thr_fits):
     """The plan of quotas q_E (``_QuotaSearch.result``): (tau, threshold_cost, expert_N, rank_N, slot_N,
-    send, quota, memory tuple, peak). ``thr``: the cost-optimal threshold when known, else -1."""
+    send, quota, memory tuple, peak). ``thr``: the cost-optimal threshold when known, else -1;
+    ``thr_fits``: the candidate there is known to fit."""
     G, E = d_GE.shape
     qs = search_setup(d_GE, q_E, prob)
     reps = replica_buffer(prob)
     if thr < 0:
-        thr = threshold(qs, prob, reps)
-    tau = search_tau(qs, prob, reps, thr)
+        thr, thr_fits = threshold(qs, prob, reps), False
+    tau = search_tau(qs, prob, reps, thr, thr_fits)
     n = greedy(tau, qs, prob, reps)
     expert_N, rank_N, send, quota_GN, mem, peak = candidate(tau, qs, prob, reps, n)
     # slots: owners in slot e % (E/G), every rank's replicas in the slots after its owned ones
@@ -1054,17 +1135,29 @@ def quota_result(d_GE, q_E, prob, thr):
 
 
 @njit
-def piece_result(d_GE, prob, policy, min_keep, num, den, n_keep, hi_keep, thr):
+def piece_result(d_GE, prob, policy, min_keep, num, den, n_keep, hi_keep, thr, thr_fits):
     """:func:`quota_result` of a built-in policy's quotas for n_keep: (quotas, quota status, result)."""
     d_E = d_GE.sum(0)
     q_E = quota(d_E, n_keep, policy, min_keep, num, den, n_keep == hi_keep)
     bad = quota_status(d_E, q_E, min(n_keep, d_E.sum()))
-    return q_E, bad, quota_result(d_GE, q_E, prob, thr)
+    return q_E, bad, quota_result(d_GE, q_E, prob, thr, thr_fits)
+
+
+@njit
+def plan_piece(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep):
+    """The kept-pair search and the plan of one demand piece with a built-in quota policy, in one call:
+    (n_keep or -1, quotas, quota status, :func:`quota_result`); with n_keep -1 the plan is hi_keep's."""
+    n_keep, thr, thr_fits, bad = keep_search(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep)
+    use = hi_keep if n_keep < 0 else n_keep
+    q_E, bad2, result = piece_result(d_GE, prob, policy, min_keep, num, den, use, hi_keep,
+                                     thr if n_keep >= 0 else -1, thr_fits and n_keep >= 0)
+    return n_keep, q_E, max(bad, bad2), result
 
 
 @njit
 def quota_search_fits(d_GE, q_E, prob, top_first):
-    """``_QuotaSearch(d_GE, q_E).fits(top_first)`` for quotas from Python: (fits, threshold or -1)."""
+    """``_QuotaSearch(d_GE, q_E).fits(top_first)`` for quotas from Python: (fits, threshold or -1,
+    whether the candidate there is known to fit)."""
     qs = search_setup(d_GE, q_E, prob)
     return search_fits(qs, prob, replica_buffer(prob), top_first, -1)
 

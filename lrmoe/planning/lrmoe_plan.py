@@ -59,8 +59,8 @@ import numpy as np
 from . import lrmoe_jit as K
 from .memory import MemoryBreakdown, instance_bytes, token_row_bytes, total_memory_floor
 from .plan import Cluster, Instance, ModelDims, Plan, domain_receivers, owned_layout, owner_instances, resolve_budget
-from .quota import (check_drop_ratio, compute_quota, get_quota_policy, keep_fraction, proportional_quota, quota_for,
-                    retained_total, waterfill_quota)
+from .quota import (check_drop_ratio, check_min_keep, compute_quota, get_quota_policy, keep_fraction,
+                    proportional_quota, quota_for, retained_total, waterfill_quota)
 
 _EPS = K.EPS
 # Plan.check's messages for the codes of lrmoe_jit.check_plan
@@ -270,7 +270,7 @@ class _QuotaSearch:
                      self.prob[4], budget, self.prob[12])
         self.context = (qs, self.prob)
         self.result_args = (cluster, dims, budget, float(backward_weight), info)
-        self.thr = -1
+        self.thr, self.thr_fits = -1, False
 
     def threshold(self) -> int:
         """The smallest integer threshold the greedy meets (bisection; ``top`` always: no replica needed);
@@ -282,13 +282,15 @@ class _QuotaSearch:
     def fits(self, top_first: bool = True) -> bool:
         """Whether :meth:`result` fits the budget (class docstring). ``top_first=False`` tries the
         cost-optimal candidate first (cheaper where it usually fits: no memory pressure)."""
-        fit, self.thr = K.search_fits(self.qs, self.prob, K.replica_buffer(self.prob), top_first, self.thr)
+        fit, self.thr, thr_fits = K.search_fits(self.qs, self.prob, K.replica_buffer(self.prob), top_first, self.thr)
+        self.thr_fits = self.thr_fits or thr_fits
         return bool(fit)
 
     def result(self) -> _Result:
         """The plan for these quotas: at the cost-optimal threshold, or when that one is over the
         budget, at the smallest higher threshold that fits (if any)."""
-        return _result(self.d_GE, self.q_E, K.quota_result(self.d_GE, self.q_E, self.prob, self.thr), self.result_args)
+        return _result(self.d_GE, self.q_E, K.quota_result(self.d_GE, self.q_E, self.prob, self.thr, self.thr_fits),
+                       self.result_args)
 
 
 def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio: float = 0.0,
@@ -325,24 +327,26 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
     if isinstance(R, bool) or not isinstance(R, (int, np.integer)) or not 0 <= R <= R_max:
         raise ValueError(f"replica_slots must be an integer in [0, S - E/G = {R_max}], got {R!r}")
     quota_options = dict(quota_options or {})
-    compute_quota(np.zeros(dims.num_experts, dtype=np.int64), drop_ratio, quota_policy, **quota_options)  # validates
+    builtin = _builtin_quota(quota_policy, quota_options)
+    if builtin is None:
+        compute_quota(np.zeros(dims.num_experts, dtype=np.int64), drop_ratio, quota_policy, **quota_options)  # validates
+    else:
+        check_min_keep(quota_options.get("min_keep", 0))
     bw = float(backward_weight)
     info = {"drop_ratio": drop_ratio, "quota_policy": quota_policy, "search_tolerance": search_tolerance}
     prob = _problem(cluster, dims, budget_bytes, np.full(cluster.num_ranks, R, dtype=np.int64),
                     np.arange(dims.num_experts) // epr, bw, int(min_rows), float(search_tolerance))
     result_args = (cluster, dims, budget_bytes, bw, info)
-    builtin = _builtin_quota(quota_policy, quota_options)
     keep = keep_fraction(drop_ratio)
+    # the compiled built-in policies' arguments after the demand piece and the constants
+    policy_args = None if builtin is None else (builtin[0], builtin[1], keep.numerator, keep.denominator)
 
     def quotas(d_GE, n_keep):
-        """Quotas of n_keep pairs of the piece d_GE (built-in policies compiled, the others from Python)."""
-        if builtin is None:
-            return _quota(d_GE.sum(0), n_keep, quota_policy, quota_options, drop_ratio)
-        q = K.quota(d_GE.sum(0), n_keep, builtin[0], builtin[1], keep.numerator, keep.denominator,
-                    n_keep == retained_total(int(d_GE.sum()), drop_ratio))
-        return _checked(d_GE.sum(0), q, n_keep)
+        """Quotas of n_keep pairs of the piece d_GE from Python (a user policy)."""
+        return _quota(d_GE.sum(0), n_keep, quota_policy, quota_options, drop_ratio)
 
-    kept: dict[bytes, tuple] = {}  # demand piece -> (its shrunk_keep, that quota's threshold or -1)
+    # demand piece -> (its shrunk keep or None, that quota's threshold or -1, whether the candidate there fits)
+    kept: dict[bytes, tuple] = {}
 
     def shrunk_keep(d_GE):
         """How many pairs the plan of d_GE keeps: the requested n_keep when it fits; else the
@@ -351,15 +355,13 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
         if key not in kept:
             P = int(d_GE.sum())
             hi_keep, lo_keep = retained_total(P, drop_ratio), retained_total(P, max_drop_ratio)
-            if builtin is not None:
-                n_keep, thr, bad = K.keep_search(d_GE, prob, builtin[0], builtin[1], keep.numerator, keep.denominator,
-                                                 hi_keep, lo_keep)
-                if bad != K.QUOTA_OK:  # a bug in a compiled policy: say which quotas
-                    _checked(d_GE.sum(0), quotas(d_GE, hi_keep), hi_keep)
-                kept[key] = (None if n_keep < 0 else n_keep, thr)
+            if policy_args is not None:
+                n_keep, thr, thr_fits, bad = K.keep_search(d_GE, prob, *policy_args, hi_keep, lo_keep)
+                _raise_on_bad_quota(bad)
+                kept[key] = (None if n_keep < 0 else n_keep, thr, thr_fits)
             else:
                 kept[key] = python_keep_search(d_GE, P, hi_keep, lo_keep)
-        return kept[key]
+        return kept[key][0]
 
     def python_keep_search(d_GE, P, hi_keep, lo_keep):
         """The kept-pair search with quotas from Python (a user policy): the same bisection as
@@ -370,37 +372,51 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
             # the floor needs only the pair counts: probes it refuses skip the quotas and the search
             if _over_memory_floor(dims, cluster.num_ranks, P, min(n_keep, P), budget_bytes):
                 return False
-            fit, thresholds[n_keep] = K.quota_search_fits(d_GE, quotas(d_GE, n_keep), prob, top_first)
+            fit, *thresholds[n_keep] = K.quota_search_fits(d_GE, quotas(d_GE, n_keep), prob, top_first)
             return bool(fit)
 
         if fits_keep(hi_keep, top_first=False):  # the requested quotas usually fit
-            return hi_keep, thresholds[hi_keep]
+            return (hi_keep, *thresholds[hi_keep])
         if not fits_keep(lo_keep):
-            return None, -1  # quotas alone cannot make it fit: resolve_budget splits or reports oom
+            return None, -1, False  # quotas alone cannot make it fit: resolve_budget splits or reports oom
         slack = _slack(search_tolerance, P)
         while hi_keep - lo_keep > slack:  # lo_keep fits, hi_keep does not
             mid = (lo_keep + hi_keep) // 2
             lo_keep, hi_keep = (mid, hi_keep) if fits_keep(mid) else (lo_keep, mid)
-        return lo_keep, thresholds[lo_keep]
+        return (lo_keep, *thresholds[lo_keep])
 
     def build(d_GE, row_cap):
-        hi_keep = retained_total(int(d_GE.sum()), drop_ratio)
-        n_keep, thr = shrunk_keep(d_GE)
-        q_E = quotas(d_GE, hi_keep if n_keep is None else n_keep)
-        plan = _result(d_GE, q_E, K.quota_result(d_GE, q_E, prob, thr if n_keep is not None else -1),
-                       result_args).plan()
+        P = int(d_GE.sum())
+        hi_keep = retained_total(P, drop_ratio)
+        key = d_GE.tobytes()
+        if policy_args is not None and key not in kept:  # the search and the plan in one compiled call
+            n_keep, q_E, bad, raw = K.plan_piece(d_GE, prob, *policy_args, hi_keep, retained_total(P, max_drop_ratio))
+            _raise_on_bad_quota(bad)
+            kept[key] = (None if n_keep < 0 else n_keep, raw[1], False)
+            n_keep = kept[key][0]
+        else:
+            shrunk_keep(d_GE)
+            n_keep, thr, thr_fits = kept[key]
+            if n_keep is None:
+                thr, thr_fits = -1, False
+            use = hi_keep if n_keep is None else n_keep
+            if policy_args is not None:
+                q_E, bad, raw = K.piece_result(d_GE, prob, *policy_args, use, hi_keep, thr, thr_fits)
+                _raise_on_bad_quota(bad)
+            else:
+                q_E = quotas(d_GE, use)
+                raw = K.quota_result(d_GE, q_E, prob, thr, thr_fits)
+        plan = _result(d_GE, q_E, raw, result_args).plan()
         return plan if n_keep in (None, hi_keep) else dataclasses.replace(plan, over_budget=True,
                                                                           fallback="shrink_quota")
 
     def fits(d_GE, row_cap):
-        return shrunk_keep(d_GE)[0] is not None
+        return shrunk_keep(d_GE) is not None
 
     return resolve_budget(build, demand_GE, budget_bytes, fallback, max_split, fits=fits)
 
 
-def _checked(d_E, q_E, n_keep):
-    """The compiled quotas, checked against the quota contract (a ValueError names them)."""
-    if K.quota_status(d_E, q_E, min(n_keep, int(d_E.sum()))) != K.QUOTA_OK:
-        raise ValueError(f"compiled quota policy returned {q_E.tolist()} for demand {d_E.tolist()} and "
-                         f"n_keep {n_keep}")
-    return q_E
+def _raise_on_bad_quota(status) -> None:
+    if status != K.QUOTA_OK:  # a bug in a compiled quota policy, never a user error
+        raise ValueError("a compiled quota policy broke the quota contract (0 <= q <= d, sum == n_keep); "
+                         "compare lrmoe.planning.lrmoe_jit.quota with lrmoe.planning.quota")
