@@ -255,12 +255,32 @@ def largest_remainder_col(total, w, out, rem, buf):
         for i in range(n):
             out[i] = 0
         return
+    if total == W:  # every weight kept whole
+        for i in range(n):
+            out[i] = w[i]
+        return
     s = 0
-    for i in range(n):
-        p = w[i] * total
-        out[i] = p // W
-        rem[i] = p - out[i] * W
-        s += out[i]
+    if total < 2**26 and W < 2**26:  # w * total < 2^52: a float quotient is within 1 of the floor
+        fW = float(W)
+        for i in range(n):
+            p = w[i] * total
+            f = np.int64(p / fW)
+            r = p - f * W
+            if r < 0:
+                f -= 1
+                r += W
+            elif r >= W:
+                f += 1
+                r -= W
+            out[i] = f
+            rem[i] = r
+            s += f
+    else:
+        for i in range(n):
+            p = w[i] * total
+            out[i] = p // W
+            rem[i] = p - out[i] * W
+            s += out[i]
     _add_top_buf(out, rem, total - s, buf)
 
 
@@ -504,27 +524,27 @@ def _shed(r, need, qs, prob, slack, mem, free, left, reps, n, head_E, next_R, st
 
 
 @njit
-def greedy(tau, qs, prob, reps):
-    """``lrmoe_plan._greedy`` at threshold tau: the number n of replicas written to ``reps[:n]``
-    (rows: expert, rank, rows), or -1 when the greedy cannot meet tau."""
+def greedy(tau, qs, prob, work):
+    """``lrmoe_plan._greedy`` at threshold tau: the number n of replicas written to ``work[0][:n]``
+    (rows: expert, rank, rows), or -1 when the greedy cannot meet tau. ``work``: :func:`workspace`."""
     d_E, cost_G, mem_G, order_G = qs[2], qs[5], qs[6], qs[7]
     free_G, budget = prob[3], prob[10]
+    reps, next_R, head_E, stamp, excess, slack, mem, free, left = work
     prob[14][0] += 1
     G = cost_G.size
     ftau = float(tau)
-    excess = np.empty(G)
-    slack = np.empty(G)
     for r in range(G):
         excess[r] = max(cost_G[r] - ftau, 0.0)
         slack[r] = max(ftau - cost_G[r], 0.0)
     if np_sum(excess) > np_sum(slack) + EPS:
         return -1
-    mem = mem_G.copy()
-    free = free_G.copy()
-    left = d_E.copy()  # rows not moved yet
-    head_E = np.full(d_E.size, -1, dtype=np.int64)  # replicas of each expert (linked through next_R)
-    next_R = np.empty(reps.shape[0], dtype=np.int64)
-    stamp = np.full(G, -1, dtype=np.int64)
+    for r in range(G):
+        mem[r] = mem_G[r]
+        free[r] = free_G[r]
+        stamp[r] = -1
+    for e in range(d_E.size):
+        left[e] = d_E[e]  # rows not moved yet
+        head_E[e] = -1  # replicas of each expert (linked through next_R)
     n, token = 0, 0
     for i in range(G):
         r = order_G[i]
@@ -541,9 +561,14 @@ def greedy(tau, qs, prob, reps):
 
 
 @njit
-def replica_buffer(prob):
-    """Room for every replica the free slots allow."""
-    return np.empty((prob[3].sum() + 1, 3), dtype=np.int64)
+def workspace(prob):
+    """The greedy's scratch, allocated once per search: the replicas (room for every one the free
+    slots allow), their links per expert, and per-rank / per-expert state."""
+    G, E = prob[3].size, prob[0].size
+    R = prob[3].sum() + 1
+    return (np.empty((R, 3), dtype=np.int64), np.empty(R, dtype=np.int64), np.empty(E, dtype=np.int64),
+            np.empty(G, dtype=np.int64), np.empty(G), np.empty(G), np.empty(G), np.empty(G, dtype=np.int64),
+            np.empty(E, dtype=np.int64))
 
 
 # ----------------------------------------------------------------------------- a candidate plan
@@ -969,12 +994,12 @@ def plan_memory(prob, G, E, rank_N, send, quota, pairs_G):
 
 
 @njit
-def candidate(tau, qs, prob, reps, n):
-    """``lrmoe_plan._candidate`` of the greedy's ``reps[:n]`` at tau: (expert_N, rank_N, send, quota,
+def candidate(tau, qs, prob, work, n):
+    """``lrmoe_plan._candidate`` of the greedy's replicas ``work[0][:n]`` at tau: (expert_N, rank_N, send, quota,
     memory tuple, peak)."""
     d_GE, q_E, d_E = qs[0], qs[1], qs[2]
     G, E = d_GE.shape
-    expert_N, rank_N, rows_N = replica_columns(reps, n, d_E, prob[0])
+    expert_N, rank_N, rows_N = replica_columns(work[0], n, d_E, prob[0])
     send = locality_split(d_GE, expert_N, rank_N, rows_N)
     kept_N = instance_quotas(q_E, rows_N, expert_N, rank_N, G, prob[11], float(tau))
     quota = quota_matrix(kept_N, send)
@@ -990,22 +1015,22 @@ def candidate(tau, qs, prob, reps, n):
 
 
 @njit
-def candidate_fits(tau, qs, prob, reps):
+def candidate_fits(tau, qs, prob, work):
     """1 when the candidate at tau fits the budget, 0 when it does not, -1 when the greedy fails."""
-    n = greedy(tau, qs, prob, reps)
+    n = greedy(tau, qs, prob, work)
     if n < 0:
         return -1
-    peak = candidate(tau, qs, prob, reps, n)[5]
+    peak = candidate(tau, qs, prob, work, n)[5]
     return 1 if peak <= prob[10] else 0
 
 
 @njit
-def threshold(qs, prob, reps):
+def threshold(qs, prob, work):
     """The smallest integer threshold the greedy meets (``_QuotaSearch.threshold``)."""
     lo, hi, slack = qs[10], qs[11], qs[13]
     while hi - lo >= slack:
         mid = (lo + hi) // 2
-        if greedy(mid, qs, prob, reps) >= 0:
+        if greedy(mid, qs, prob, work) >= 0:
             hi = mid
         else:
             lo = mid + 1
@@ -1013,42 +1038,42 @@ def threshold(qs, prob, reps):
 
 
 @njit
-def search_fits(qs, prob, reps, top_first, thr):
+def search_fits(qs, prob, work, top_first, thr):
     """``_QuotaSearch.fits``: whether the plan of these quotas fits. ``thr``: the threshold when known
     (else -1). Returns (fits, the threshold or -1 when not computed, whether the candidate at the
     threshold is known to fit: the plan is then that candidate)."""
     if not prob[10] < math.inf:  # every candidate fits: the plan is the one at the threshold
-        return True, threshold(qs, prob, reps) if thr < 0 else thr, True
+        return True, threshold(qs, prob, work) if thr < 0 else thr, True
     if qs[12]:
         return False, thr, False
     if not top_first:
-        thr = threshold(qs, prob, reps) if thr < 0 else thr
-        if candidate_fits(thr, qs, prob, reps) == 1:
+        thr = threshold(qs, prob, work) if thr < 0 else thr
+        if candidate_fits(thr, qs, prob, work) == 1:
             return True, thr, True
-        if candidate_fits(qs[11], qs, prob, reps) == 1:
+        if candidate_fits(qs[11], qs, prob, work) == 1:
             return True, thr, False
         return False, thr, False
-    if candidate_fits(qs[11], qs, prob, reps) == 1:
+    if candidate_fits(qs[11], qs, prob, work) == 1:
         return True, thr, False
-    thr = threshold(qs, prob, reps) if thr < 0 else thr
-    fit = candidate_fits(thr, qs, prob, reps) == 1
+    thr = threshold(qs, prob, work) if thr < 0 else thr
+    fit = candidate_fits(thr, qs, prob, work) == 1
     return fit, thr, fit
 
 
 @njit
-def search_tau(qs, prob, reps, thr, thr_fits):
+def search_tau(qs, prob, work, thr, thr_fits):
     """``_QuotaSearch._search``: the threshold of the plan returned for these quotas (the cost-optimal
     one, or when that one is over the budget, the smallest higher one that fits, if any).
     ``thr_fits``: the candidate at the cost-optimal threshold ``thr`` is known to fit."""
     hi, top, slack = thr, qs[11], qs[13]
-    if thr_fits or not prob[10] < math.inf or candidate_fits(hi, qs, prob, reps) == 1:
+    if thr_fits or not prob[10] < math.inf or candidate_fits(hi, qs, prob, work) == 1:
         return hi
-    if hi == top or candidate_fits(top, qs, prob, reps) != 1:
+    if hi == top or candidate_fits(top, qs, prob, work) != 1:
         return hi
     bad, step, found = hi, 1, -1
     while bad < top and found < 0:
         tau = min(bad + step, top)
-        if candidate_fits(tau, qs, prob, reps) == 1:
+        if candidate_fits(tau, qs, prob, work) == 1:
             found = tau
         else:
             bad, step = tau, 2 * step
@@ -1057,7 +1082,7 @@ def search_tau(qs, prob, reps, thr, thr_fits):
     good = found
     while good - bad > slack:
         mid = (bad + good) // 2
-        if candidate_fits(mid, qs, prob, reps) == 1:
+        if candidate_fits(mid, qs, prob, work) == 1:
             good = mid
         else:
             bad = mid
@@ -1072,18 +1097,18 @@ def keep_search(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep):
     quota status); n_keep -1 when even lo_keep does not fit. ``num / den``: the kept fraction of the
     drop ratio (hi_keep is its own n_keep)."""
     d_E = d_GE.sum(0)
-    reps = replica_buffer(prob)
+    work = workspace(prob)
     # hi_keep first, the cost-optimal candidate first (it usually fits)
-    fit, thr, thr_fits, bad = _fits_keep(d_GE, d_E, prob, reps, policy, min_keep, num, den, hi_keep, hi_keep, False)
+    fit, thr, thr_fits, bad = _fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, hi_keep, False)
     if bad != QUOTA_OK or fit:
         return (hi_keep if fit else -1), thr, thr_fits, bad
-    fit, thr, thr_fits, bad = _fits_keep(d_GE, d_E, prob, reps, policy, min_keep, num, den, hi_keep, lo_keep, True)
+    fit, thr, thr_fits, bad = _fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, lo_keep, True)
     if bad != QUOTA_OK or not fit:
         return -1, -1, False, bad
     slack = slack_units(prob[13], d_E.sum())
     while hi_keep - lo_keep > slack:  # lo_keep fits, hi_keep does not
         mid = (lo_keep + hi_keep) // 2
-        fit, t, t_fits, bad = _fits_keep(d_GE, d_E, prob, reps, policy, min_keep, num, den, hi_keep, mid, True)
+        fit, t, t_fits, bad = _fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, mid, True)
         if bad != QUOTA_OK:
             return -1, -1, False, bad
         if fit:
@@ -1094,7 +1119,7 @@ def keep_search(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep):
 
 
 @njit
-def _fits_keep(d_GE, d_E, prob, reps, policy, min_keep, num, den, hi_keep, n_keep, top_first):
+def _fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, n_keep, top_first):
     """Whether the plan keeping n_keep pairs fits (``plan_lrmoe``'s fits_keep): the floor test from the
     pair counts first, then the quotas' search (:func:`search_fits`), plus the quota status."""
     P = d_E.sum()
@@ -1104,7 +1129,7 @@ def _fits_keep(d_GE, d_E, prob, reps, policy, min_keep, num, den, hi_keep, n_kee
     bad = quota_status(d_E, q_E, min(n_keep, P))
     if bad != QUOTA_OK:
         return False, -1, False, bad
-    fit, thr, thr_fits = search_fits(search_setup(d_GE, q_E, prob), prob, reps, top_first, -1)
+    fit, thr, thr_fits = search_fits(search_setup(d_GE, q_E, prob), prob, work, top_first, -1)
     return fit, thr, thr_fits, QUOTA_OK
 
 
@@ -1115,13 +1140,18 @@ def quota_result(d_GE, q_E, prob, thr, thr_fits):
     ``thr_fits``: the candidate there is known to fit."""
     G, E = d_GE.shape
     qs = search_setup(d_GE, q_E, prob)
-    reps = replica_buffer(prob)
+    work = workspace(prob)
     if thr < 0:
-        thr, thr_fits = threshold(qs, prob, reps), False
-    tau = search_tau(qs, prob, reps, thr, thr_fits)
-    n = greedy(tau, qs, prob, reps)
-    expert_N, rank_N, send, quota_GN, mem, peak = candidate(tau, qs, prob, reps, n)
-    # slots: owners in slot e % (E/G), every rank's replicas in the slots after its owned ones
+        thr, thr_fits = threshold(qs, prob, work), False
+    tau = search_tau(qs, prob, work, thr, thr_fits)
+    n = greedy(tau, qs, prob, work)
+    expert_N, rank_N, send, quota_GN, mem, peak = candidate(tau, qs, prob, work, n)
+    return tau, thr, expert_N, rank_N, _slots(expert_N, rank_N, G, E), send, quota_GN, mem, peak
+
+
+@njit
+def _slots(expert_N, rank_N, G, E):
+    """Owners in slot e % (E/G), every rank's replicas in the slots after its owned ones, in column order."""
     epr = E // G
     used = np.full(G, epr, dtype=np.int64)
     slot_N = np.empty(expert_N.size, dtype=np.int64)
@@ -1131,7 +1161,7 @@ def quota_result(d_GE, q_E, prob, thr, thr_fits):
         else:
             slot_N[c] = used[rank_N[c]]
             used[rank_N[c]] += 1
-    return tau, thr, expert_N, rank_N, slot_N, send, quota_GN, mem, peak
+    return slot_N
 
 
 @njit
@@ -1146,7 +1176,26 @@ def piece_result(d_GE, prob, policy, min_keep, num, den, n_keep, hi_keep, thr, t
 @njit
 def plan_piece(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep):
     """The kept-pair search and the plan of one demand piece with a built-in quota policy, in one call:
-    (n_keep or -1, quotas, quota status, :func:`quota_result`); with n_keep -1 the plan is hi_keep's."""
+    (n_keep or -1, quotas, quota status, :func:`quota_result`); with n_keep -1 the plan is hi_keep's.
+
+    The usual case first, without pressure: hi_keep's quotas, their cost-optimal candidate fits (the
+    kept-pair search's first probe), and that candidate is the plan (built once)."""
+    G, E = d_GE.shape
+    d_E = d_GE.sum(0)
+    P = d_E.sum()
+    if not over_memory_floor(prob, G, P, min(hi_keep, P)):
+        q_E = quota(d_E, hi_keep, policy, min_keep, num, den, True)
+        bad = quota_status(d_E, q_E, min(hi_keep, P))
+        if bad != QUOTA_OK:
+            return -1, q_E, bad, _empty_result(G, E)
+        qs = search_setup(d_GE, q_E, prob)
+        work = workspace(prob)
+        thr = threshold(qs, prob, work)
+        n = greedy(thr, qs, prob, work)
+        expert_N, rank_N, send, quota_GN, mem, peak = candidate(thr, qs, prob, work, n)
+        if peak <= prob[10]:
+            return hi_keep, q_E, QUOTA_OK, (thr, thr, expert_N, rank_N, _slots(expert_N, rank_N, G, E), send,
+                                            quota_GN, mem, peak)
     n_keep, thr, thr_fits, bad = keep_search(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep)
     use = hi_keep if n_keep < 0 else n_keep
     q_E, bad2, result = piece_result(d_GE, prob, policy, min_keep, num, den, use, hi_keep,
@@ -1155,11 +1204,19 @@ def plan_piece(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep):
 
 
 @njit
+def _empty_result(G, E):
+    z = np.zeros(0, dtype=np.int64)
+    zg = np.zeros(G, dtype=np.int64)
+    return (0, 0, z, z, z, np.zeros((G, 0), dtype=np.int64), np.zeros((G, 0), dtype=np.int64),
+            (zg, zg, zg, zg, zg), 0)
+
+
+@njit
 def quota_search_fits(d_GE, q_E, prob, top_first):
     """``_QuotaSearch(d_GE, q_E).fits(top_first)`` for quotas from Python: (fits, threshold or -1,
     whether the candidate there is known to fit)."""
     qs = search_setup(d_GE, q_E, prob)
-    return search_fits(qs, prob, replica_buffer(prob), top_first, -1)
+    return search_fits(qs, prob, workspace(prob), top_first, -1)
 
 
 @njit

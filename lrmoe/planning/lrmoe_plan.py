@@ -162,9 +162,9 @@ def _greedy(tau, cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, dom
     (qs, prob) of these arguments (built here when None)."""
     qs, prob = context or _greedy_context(cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, domain_G,
                                           rep_bytes, budget, min_rows)
-    reps = K.replica_buffer(prob)
-    n = K.greedy(int(tau), qs, prob, reps)
-    return None if n < 0 else [tuple(r) for r in reps[:n].tolist()]
+    work = K.workspace(prob)
+    n = K.greedy(int(tau), qs, prob, work)
+    return None if n < 0 else [tuple(r) for r in work[0][:n].tolist()]
 
 
 def _instance_quotas(q_E, rows_E, ranks_E, G: int, backward_weight: float, tau: float) -> list[np.ndarray]:
@@ -276,13 +276,13 @@ class _QuotaSearch:
         """The smallest integer threshold the greedy meets (bisection; ``top`` always: no replica needed);
         with a tolerance, one the greedy meets less than ``slack`` above the bracket's lower end."""
         if self.thr < 0:
-            self.thr = K.threshold(self.qs, self.prob, K.replica_buffer(self.prob))
+            self.thr = K.threshold(self.qs, self.prob, K.workspace(self.prob))
         return self.thr
 
     def fits(self, top_first: bool = True) -> bool:
         """Whether :meth:`result` fits the budget (class docstring). ``top_first=False`` tries the
         cost-optimal candidate first (cheaper where it usually fits: no memory pressure)."""
-        fit, self.thr, thr_fits = K.search_fits(self.qs, self.prob, K.replica_buffer(self.prob), top_first, self.thr)
+        fit, self.thr, thr_fits = K.search_fits(self.qs, self.prob, K.workspace(self.prob), top_first, self.thr)
         self.thr_fits = self.thr_fits or thr_fits
         return bool(fit)
 
