@@ -177,6 +177,46 @@ def exact_sum(a):
     return fsum(a)
 
 
+@njit
+def exact_row_sums(d_GE, frac_E):
+    """``math.fsum(d_GE[r] * frac_E)`` for every row r: :func:`exact_sum`'s compensated sums for all
+    rows at once (the inner loop over rows vectorises), each proven correctly rounded or redone
+    with :func:`fsum`."""
+    G, E = d_GE.shape
+    s = np.zeros(G)
+    c = np.zeros(G)
+    err = np.zeros(G)
+    for k in range(E):
+        f = frac_E[k]
+        for r in range(G):
+            x = d_GE[r, k] * f
+            t = s[r] + x
+            z = t - s[r]
+            e = (s[r] - (t - z)) + (x - z)
+            s[r] = t
+            c[r] += e
+            err[r] += abs(e)
+    out = np.empty(G)
+    gamma = 2.0 * (E * 1.1102230246251565e-16) / (1.0 - E * 1.1102230246251565e-16)
+    row = np.empty(E)
+    for r in range(G):
+        hi = s[r] + c[r]
+        z = hi - s[r]
+        lo = (s[r] - (hi - z)) + (c[r] - z)
+        ok = math.isfinite(hi) and hi != 0.0
+        if ok:
+            m, ex = math.frexp(abs(hi))
+            half_gap = math.ldexp(1.0, ex - 54) * (0.5 if m == 0.5 else 1.0)
+            ok = ex >= -1000 and abs(lo) + gamma * err[r] < half_gap
+        if ok:
+            out[r] = hi
+        else:
+            for k in range(E):
+                row[k] = d_GE[r, k] * frac_E[k]
+            out[r] = fsum(row)
+    return out
+
+
 # ----------------------------------------------------------------------------- small integer helpers
 @njit
 def _desc_order(key):
@@ -439,14 +479,12 @@ def search_setup(d_GE, q_E, prob):
         owned_w[o] += d_E[e] * rb_E[e]
         n_owned[o] += 1
     mem_G = np.empty(G)
-    row = np.empty(E)
+    kept_sent = exact_row_sums(d_GE, frac)  # exactly rounded (math.fsum): every rank computes the same plan
     for r in range(G):
         sent = 0
         for e in range(E):
-            row[e] = d_GE[r, e] * frac[e]
             sent += d_GE[r, e]
-        kept_sent = exact_sum(row)  # exactly rounded (math.fsum): every rank computes the same plan
-        mem_G[r] = (float(n_owned[r] * prob[5]) + float(prob[6]) * (sent + kept_sent) + float(prob[8] * sent)
+        mem_G[r] = (float(n_owned[r] * prob[5]) + float(prob[6]) * (sent + kept_sent[r]) + float(prob[8] * sent)
                     + owned_w[r])
     order_G = _desc_order(cost_G)
     by_load = _desc_order(L_E)  # every rank's experts by descending weighted load (ties: lower index)
@@ -1246,15 +1284,21 @@ def check_plan(d_GE, expert_N, rank_N, slot_N, is_rep_N, send, quota):
     for e in range(E):
         if count[e] < 1 or owners[e] > 1:
             return 3, dropped
+    low_send, low_quota, low_gap = 0, 0, 0  # branch-free minima (vectorised)
     for s in range(G):
         for c in range(N):
-            if send[s, c] < 0:
-                return 4, dropped
-            if quota[s, c] < 0 or quota[s, c] > send[s, c]:
-                return 5, dropped
+            low_send = min(low_send, send[s, c])
+            low_quota = min(low_quota, quota[s, c])
+            low_gap = min(low_gap, send[s, c] - quota[s, c])
+    if low_send < 0:
+        return 4, dropped
+    if low_quota < 0 or low_gap < 0:
+        return 5, dropped
+    for s in range(G):
+        for c in range(N):
             dropped[s, expert_N[c]] -= send[s, c]
+    low = 0
     for s in range(G):
         for e in range(E):
-            if dropped[s, e] < 0:
-                return 4, dropped
-    return 0, dropped
+            low = min(low, dropped[s, e])
+    return (4 if low < 0 else 0), dropped

@@ -101,9 +101,7 @@ def _receivers(cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
     others = domain_receivers(cluster.domain_G)
     ptr = np.r_[0, np.cumsum([len(o) for o in others])].astype(np.int64)
     idx = np.array([u for o in others for u in o], dtype=np.int64)
-    for a in (ptr, idx):
-        a.setflags(write=False)
-    return ptr, idx
+    return ptr, idx  # shared by the calls: never written (writable, so numba compiles one specialisation)
 
 
 def _problem(cluster: Cluster, dims: ModelDims, budget, free_G, owner_E, backward_weight, min_rows,
@@ -114,6 +112,21 @@ def _problem(cluster: Cluster, dims: ModelDims, budget, free_G, owner_E, backwar
     return K.problem(owner_E, ptr, idx, free_G, instance_bytes(dims, replica=True), instance_bytes(dims, replica=False),
                      row["dispatch"], row["saved"], row["output"], row["backward"], budget, backward_weight, min_rows,
                      tolerance)
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(cluster: Cluster, dims: ModelDims, replica_slots: int) -> tuple:
+    """Free replica slots per rank and every expert's owner."""
+    epr = owned_layout(cluster, dims, "lrmoe")
+    free_G = np.full(cluster.num_ranks, replica_slots, dtype=np.int64)
+    owner_E = np.arange(dims.num_experts, dtype=np.int64) // epr
+    return free_G, owner_E  # shared by the calls: never written
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _replica(expert: int, rank: int, slot: int) -> Instance:
+    """A replica instance (frozen, so shared: building one costs more than finding it)."""
+    return Instance(expert, rank, slot, True)
 
 
 def _builtin_quota(policy: str, options: dict):
@@ -229,8 +242,7 @@ class _Result:
         if code:
             raise ValueError(f"plan lrmoe: {_CHECK_ERRORS[code]}")
         instances = owner_instances(cluster, dims, "lrmoe")
-        instances += [Instance(e, r, s, True) for e, r, s in zip(self.expert_N[E:].tolist(), self.rank_N[E:].tolist(),
-                                                                 self.slot_N[E:].tolist())]
+        instances += map(_replica, self.expert_N[E:].tolist(), self.rank_N[E:].tolist(), self.slot_N[E:].tolist())
         n_keep = int(self.q_E.sum())
         info = {**info, "threshold_cost": self.threshold_cost, "threshold": self.tau, "quota_E": self.q_E,
                 "n_keep": n_keep, "backward_weight": backward_weight,
@@ -334,8 +346,8 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
         check_min_keep(quota_options.get("min_keep", 0))
     bw = float(backward_weight)
     info = {"drop_ratio": drop_ratio, "quota_policy": quota_policy, "search_tolerance": search_tolerance}
-    prob = _problem(cluster, dims, budget_bytes, np.full(cluster.num_ranks, R, dtype=np.int64),
-                    np.arange(dims.num_experts) // epr, bw, int(min_rows), float(search_tolerance))
+    prob = _problem(cluster, dims, budget_bytes, *_layout(cluster, dims, int(R)), bw, int(min_rows),
+                    float(search_tolerance))
     result_args = (cluster, dims, budget_bytes, bw, info)
     keep = keep_fraction(drop_ratio)
     # the compiled built-in policies' arguments after the demand piece and the constants
