@@ -178,18 +178,18 @@ def exact_sum(a):
 
 
 @njit
-def exact_row_sums(d_GE, frac_E):
-    """``math.fsum(d_GE[r] * frac_E)`` for every row r: :func:`exact_sum`'s compensated sums for all
-    rows at once (the inner loop over rows vectorises), each proven correctly rounded or redone
-    with :func:`fsum`."""
-    G, E = d_GE.shape
+def exact_row_sums(d_EG, frac_E):
+    """``math.fsum(d_EG[:, r] * frac_E)`` for every rank r (the demand transposed, [E, G]):
+    :func:`exact_sum`'s compensated sums for all ranks at once (the inner loop over ranks is
+    contiguous and vectorises), each proven correctly rounded or redone with :func:`fsum`."""
+    E, G = d_EG.shape
     s = np.zeros(G)
     c = np.zeros(G)
     err = np.zeros(G)
     for k in range(E):
         f = frac_E[k]
         for r in range(G):
-            x = d_GE[r, k] * f
+            x = d_EG[k, r] * f
             t = s[r] + x
             z = t - s[r]
             e = (s[r] - (t - z)) + (x - z)
@@ -212,7 +212,7 @@ def exact_row_sums(d_GE, frac_E):
             out[r] = hi
         else:
             for k in range(E):
-                row[k] = d_GE[r, k] * frac_E[k]
+                row[k] = d_EG[k, r] * frac_E[k]
             out[r] = fsum(row)
     return out
 
@@ -453,7 +453,8 @@ def slack_units(tolerance, scale):
 @njit
 def search_setup(d_GE, q_E, prob):
     """What every threshold of q_E's search reads (``lrmoe_plan._QuotaSearch.__init__``), as ``qs``:
-    (d_GE, q_E, d_E, w_E, rb_E, cost_G, mem_G, order_G, mine_ptr, mine_idx, lo, top, over_floor, slack, L_E)."""
+    (d_GE, q_E, d_E, w_E, rb_E, cost_G, mem_G, order_G, mine_ptr, mine_idx, lo, top, over_floor, slack, L_E,
+    d_EG (the demand transposed), pairs_G)."""
     owner_E, bw = prob[0], prob[11]
     G, E = d_GE.shape
     d_E = np.zeros(E, dtype=np.int64)
@@ -479,11 +480,14 @@ def search_setup(d_GE, q_E, prob):
         owned_w[o] += d_E[e] * rb_E[e]
         n_owned[o] += 1
     mem_G = np.empty(G)
-    kept_sent = exact_row_sums(d_GE, frac)  # exactly rounded (math.fsum): every rank computes the same plan
+    d_EG = np.ascontiguousarray(d_GE.T)
+    kept_sent = exact_row_sums(d_EG, frac)  # exactly rounded (math.fsum): every rank computes the same plan
+    pairs_G = np.zeros(G, dtype=np.int64)
     for r in range(G):
         sent = 0
         for e in range(E):
             sent += d_GE[r, e]
+        pairs_G[r] = sent
         mem_G[r] = (float(n_owned[r] * prob[5]) + float(prob[6]) * (sent + kept_sent[r]) + float(prob[8] * sent)
                     + owned_w[r])
     order_G = _desc_order(cost_G)
@@ -506,7 +510,7 @@ def search_setup(d_GE, q_E, prob):
     top = math.ceil(top_cost)
     over = over_memory_floor(prob, G, d_E.sum(), q_E.sum())
     return (d_GE, q_E, d_E, w_E, rb_E, cost_G, mem_G, order_G, mine_ptr, mine_idx, lo, top, over,
-            slack_units(prob[13], lo), L_E)
+            slack_units(prob[13], lo), L_E, d_EG, pairs_G)
 
 
 @njit
@@ -631,16 +635,15 @@ def replica_columns(reps, n, d_E, owner_E):
 
 
 @njit
-def locality_split(d_GE, expert_N, rank_N, rows_N):
-    """:func:`lrmoe.planning.plan.locality_split_replicas`: send [G, N]. Every replica takes the pairs
-    already on its host first, then the rest of its rows by largest remainder over the sources' pairs
-    left (replicas of one expert in column order); the owner (column e) takes what is left."""
-    G, E = d_GE.shape
+def locality_split(d_EG, expert_N, rank_N, rows_N):
+    """:func:`lrmoe.planning.plan.locality_split_replicas`, transposed: send [N, G] from the demand
+    [E, G]. Every replica takes the pairs already on its host first, then the rest of its rows by
+    largest remainder over the sources' pairs left (replicas of one expert in column order); the
+    owner (column e) takes what is left."""
+    E, G = d_EG.shape
     N = expert_N.size
-    send = np.zeros((G, N), dtype=np.int64)
-    for s in range(G):  # experts without replicas: every pair to the owner
-        for e in range(E):
-            send[s, e] = d_GE[s, e]
+    send = np.zeros((N, G), dtype=np.int64)
+    send[:E] = d_EG  # experts without replicas: every pair to the owner
     rem = np.empty(G, dtype=np.int64)
     alloc = np.empty(G, dtype=np.int64)
     scratch = np.empty(G, dtype=np.int64)
@@ -651,20 +654,18 @@ def locality_split(d_GE, expert_N, rank_N, rows_N):
         stop = start
         while stop < N and expert_N[stop] == e:
             stop += 1
-        for s in range(G):
-            rem[s] = d_GE[s, e]
+        rem[:] = d_EG[e]
         for c in range(start, stop):  # pass 1: pairs already on the host rank
             r = rank_N[c]
             take = min(rows_N[c], rem[r])
-            send[r, c] = take
+            send[c, r] = take
             rem[r] -= take
         for c in range(start, stop):  # pass 2: the rest, largest remainder over the sources' pairs
-            largest_remainder_col(rows_N[c] - send[rank_N[c], c], rem, alloc, scratch, scratch2)
+            largest_remainder_col(rows_N[c] - send[c, rank_N[c]], rem, alloc, scratch, scratch2)
             for s in range(G):
-                send[s, c] += alloc[s]
+                send[c, s] += alloc[s]
                 rem[s] -= alloc[s]
-        for s in range(G):
-            send[s, e] = rem[s]
+        send[e] = rem
         start = stop
     return send
 
@@ -982,32 +983,26 @@ def _flow_value(flows, ptr):
 
 @njit
 def quota_matrix(kept_N, send):
-    """:func:`lrmoe.planning.plan.largest_remainder_cols` (kept_N, send): backward quotas [G, N]."""
-    G, N = send.shape
-    quota = np.empty((G, N), dtype=np.int64)
-    w = np.empty(G, dtype=np.int64)
-    out = np.empty(G, dtype=np.int64)
+    """:func:`lrmoe.planning.plan.largest_remainder_cols` (kept_N, send), transposed: backward quotas
+    [N, G] from send [N, G]."""
+    N, G = send.shape
+    quota = np.empty((N, G), dtype=np.int64)
     rem = np.empty(G, dtype=np.int64)
     buf = np.empty(G, dtype=np.int64)
     for c in range(N):
-        for s in range(G):
-            w[s] = send[s, c]
-        largest_remainder_col(kept_N[c], w, out, rem, buf)
-        for s in range(G):
-            quota[s, c] = out[s]
+        largest_remainder_col(kept_N[c], send[c], quota[c], rem, buf)
     return quota
 
 
 @njit
 def plan_memory(prob, G, E, rank_N, send, quota, pairs_G):
-    """:func:`lrmoe.planning.memory.plan_memory` of a layout whose first E columns are the owners
-    (the rest replicas): (base_G, replicas_G, dispatch_G, saved_G, backward_G), int64."""
+    """:func:`lrmoe.planning.memory.plan_memory` of a layout whose first E instances are the owners
+    (the rest replicas), from send and quota transposed ([N, G]): (base_G, replicas_G, dispatch_G,
+    saved_G, backward_G), int64."""
     N = rank_N.size
     base = np.zeros(G, dtype=np.int64)
     reps = np.zeros(G, dtype=np.int64)
-    dispatch = np.zeros(G, dtype=np.int64)
-    saved = np.zeros(G, dtype=np.int64)
-    backward = np.zeros(G, dtype=np.int64)
+    sent = np.zeros(G, dtype=np.int64)
     recv = np.zeros(G, dtype=np.int64)
     kept_recv = np.zeros(G, dtype=np.int64)
     for c in range(N):
@@ -1016,35 +1011,29 @@ def plan_memory(prob, G, E, rank_N, send, quota, pairs_G):
             base[r] += prob[5]
         else:
             reps[r] += int(prob[4])
+        rows, kept = 0, 0
         for s in range(G):
-            recv[r] += send[s, c]
-            kept_recv[r] += quota[s, c]
-    for s in range(G):
-        sent, kept_sent = 0, 0
-        for c in range(N):
-            sent += send[s, c]
-            kept_sent += quota[s, c]
-        dispatch[s] = prob[6] * (sent + kept_sent)
-    for r in range(G):
-        saved[r] = prob[7] * recv[r] + prob[8] * pairs_G[r]
-        backward[r] = prob[9] * kept_recv[r]
+            rows += send[c, s]
+            kept += quota[c, s]
+            sent[s] += send[c, s] + quota[c, s]
+        recv[r] += rows
+        kept_recv[r] += kept
+    dispatch = prob[6] * sent
+    saved = prob[7] * recv + prob[8] * pairs_G
+    backward = prob[9] * kept_recv
     return base, reps, dispatch, saved, backward
 
 
 @njit
 def candidate(tau, qs, prob, work, n):
-    """``lrmoe_plan._candidate`` of the greedy's replicas ``work[0][:n]`` at tau: (expert_N, rank_N, send, quota,
-    memory tuple, peak)."""
-    d_GE, q_E, d_E = qs[0], qs[1], qs[2]
-    G, E = d_GE.shape
+    """``lrmoe_plan._candidate`` of the greedy's replicas ``work[0][:n]`` at tau: (expert_N, rank_N,
+    send [N, G], quota [N, G] (transposed), memory tuple, peak)."""
+    q_E, d_E, d_EG, pairs_G = qs[1], qs[2], qs[15], qs[16]
+    E, G = d_EG.shape
     expert_N, rank_N, rows_N = replica_columns(work[0], n, d_E, prob[0])
-    send = locality_split(d_GE, expert_N, rank_N, rows_N)
+    send = locality_split(d_EG, expert_N, rank_N, rows_N)
     kept_N = instance_quotas(q_E, rows_N, expert_N, rank_N, G, prob[11], float(tau))
     quota = quota_matrix(kept_N, send)
-    pairs_G = np.zeros(G, dtype=np.int64)
-    for s in range(G):
-        for e in range(E):
-            pairs_G[s] += d_GE[s, e]
     mem = plan_memory(prob, G, E, rank_N, send, quota, pairs_G)
     peak = 0
     for r in range(G):
@@ -1183,8 +1172,9 @@ def quota_result(d_GE, q_E, prob, thr, thr_fits):
         thr, thr_fits = threshold(qs, prob, work), False
     tau = search_tau(qs, prob, work, thr, thr_fits)
     n = greedy(tau, qs, prob, work)
-    expert_N, rank_N, send, quota_GN, mem, peak = candidate(tau, qs, prob, work, n)
-    return tau, thr, expert_N, rank_N, _slots(expert_N, rank_N, G, E), send, quota_GN, mem, peak
+    expert_N, rank_N, send, quota, mem, peak = candidate(tau, qs, prob, work, n)
+    return (tau, thr, expert_N, rank_N, _slots(expert_N, rank_N, G, E), np.ascontiguousarray(send.T),
+            np.ascontiguousarray(quota.T), mem, peak)
 
 
 @njit
@@ -1230,10 +1220,10 @@ def plan_piece(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep):
         work = workspace(prob)
         thr = threshold(qs, prob, work)
         n = greedy(thr, qs, prob, work)
-        expert_N, rank_N, send, quota_GN, mem, peak = candidate(thr, qs, prob, work, n)
+        expert_N, rank_N, send, quota_NG, mem, peak = candidate(thr, qs, prob, work, n)
         if peak <= prob[10]:
-            return hi_keep, q_E, QUOTA_OK, (thr, thr, expert_N, rank_N, _slots(expert_N, rank_N, G, E), send,
-                                            quota_GN, mem, peak)
+            return hi_keep, q_E, QUOTA_OK, (thr, thr, expert_N, rank_N, _slots(expert_N, rank_N, G, E),
+                                            np.ascontiguousarray(send.T), np.ascontiguousarray(quota_NG.T), mem, peak)
     n_keep, thr, thr_fits, bad = keep_search(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep)
     use = hi_keep if n_keep < 0 else n_keep
     q_E, bad2, result = piece_result(d_GE, prob, policy, min_keep, num, den, use, hi_keep,

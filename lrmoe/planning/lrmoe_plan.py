@@ -157,7 +157,7 @@ def _greedy_context(cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, 
     qs = (np.zeros((G, E), dtype=np.int64), np.zeros(E, dtype=np.int64), np.asarray(d_E, dtype=np.int64),
           np.asarray(w_E, dtype=np.float64), np.asarray(row_bytes_E, dtype=np.float64), cost_G,
           np.asarray(mem_G, dtype=np.float64), np.argsort(-cost_G, kind="stable").astype(np.int64), mine_ptr, by_rank,
-          0, 0, False, 1, L_E)
+          0, 0, False, 1, L_E, np.zeros((E, G), dtype=np.int64), np.zeros(G, dtype=np.int64))
     return qs, prob
 
 

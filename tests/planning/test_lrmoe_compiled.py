@@ -61,7 +61,7 @@ def test_exact_sums_are_math_fsum():
         G, E = int(rng.integers(1, 70)), int(rng.integers(1, 200))
         d = rng.integers(0, 3000, (G, E))
         frac = np.where(rng.random(E) < 0.3, 1.0, rng.integers(0, 997, E) / rng.integers(1, 997, E))
-        got = K.exact_row_sums(d, frac)
+        got = K.exact_row_sums(np.ascontiguousarray(d.T), frac)
         assert got.tolist() == [math.fsum((d[r] * frac).tolist()) for r in range(G)]
 
 
