@@ -1292,3 +1292,40 @@ def check_plan(d_GE, expert_N, rank_N, slot_N, is_rep_N, send, quota):
         for e in range(E):
             low = min(low, dropped[s, e])
     return (4 if low < 0 else 0), dropped
+
+
+# ----------------------------------------------------------------------------- baseline selection quotas
+@njit
+def selection_quota_matrix(q_E, expert_N, rows_N, send):
+    """:func:`lrmoe.planning.selection.selection_quotas`' split: q_e over expert e's instances in
+    proportion to their rows, then each instance's share over its sources in proportion to the pairs
+    each sent (largest remainder both times, instances in column order): quota [G, N]."""
+    G, N = send.shape
+    quota = np.zeros((G, N), dtype=np.int64)
+    order = np.argsort(expert_N, kind="mergesort")
+    w = np.empty(G, dtype=np.int64)
+    out = np.empty(G, dtype=np.int64)
+    rem = np.empty(max(G, N), dtype=np.int64)
+    buf = np.empty(max(G, N), dtype=np.int64)
+    start = 0
+    while start < N:
+        e = expert_N[order[start]]
+        stop = start
+        while stop < N and expert_N[order[stop]] == e:
+            stop += 1
+        if q_E[e] != 0:
+            m = stop - start
+            rows = np.empty(m, dtype=np.int64)
+            share = np.empty(m, dtype=np.int64)
+            for k in range(m):
+                rows[k] = rows_N[order[start + k]]
+            largest_remainder_col(q_E[e], rows, share, rem[:m], buf[:m])
+            for k in range(m):
+                c = order[start + k]
+                for s in range(G):
+                    w[s] = send[s, c]
+                largest_remainder_col(share[k], w, out, rem[:G], buf[:G])
+                for s in range(G):
+                    quota[s, c] = out[s]
+        start = stop
+    return quota

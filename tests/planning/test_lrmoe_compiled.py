@@ -291,3 +291,20 @@ def test_greedy_at_thresholds_with_one_rank_and_no_slots():
         s = L._QuotaSearch(d, q, cl, dims, math.inf, **kw)
         for tau in range(s.lo, s.top + 1, max(1, (s.top - s.lo) // 20)):
             assert L._greedy(tau, *s.args, context=s.context) == R._greedy(tau, *s.args)
+
+
+@pytest.mark.parametrize("name", ("fixed", "symi", "ultraep", "ultraep_greedy"))
+def test_compiled_selection_quotas_equal_the_plain_loop(name):
+    """Baseline plans' selective-backward quotas: the compiled split against its plain loop."""
+    from lrmoe.planning.selection import selection_quota_matrix_py, selection_quotas
+    rng = np.random.default_rng(20 + len(name))
+    for i in range(12):
+        cl, dims, d = case(rng, KINDS[i % len(KINDS)])
+        if dims.num_experts % cl.num_ranks or (name == "symi" and cl.slots_per_rank * cl.num_ranks < dims.num_experts):
+            continue
+        plan = plan_placement(name, d, cl, dims, math.inf)
+        for rho in (0.0, 0.3, 0.7):
+            got = selection_quotas(plan, dims, rho, "waterfill")
+            q_E = got.info["quota_E"]
+            want = selection_quota_matrix_py(q_E, plan.expert_N, plan.rows_N, plan.send_GN)
+            np.testing.assert_array_equal(got.backward_quota_GN, want)
