@@ -50,19 +50,24 @@ higher cost, by more than t (docs/benchmarks.md measures what a tolerance buys a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 
 import numpy as np
 
-from .memory import instance_bytes, plan_memory, token_row_bytes, total_memory_floor
-from .plan import (Cluster, ModelDims, Plan, domain_receivers, experts_by_load_per_rank, largest_remainder_cols,
-                   largest_remainder_groups, locality_split_replicas, make_plan, owned_layout, replica_columns,
-                   replica_instances, resolve_budget)
-from .quota import check_drop_ratio, compute_quota, quota_for, retained_total
+from . import lrmoe_jit as K
+from .memory import MemoryBreakdown, instance_bytes, token_row_bytes, total_memory_floor
+from .plan import Cluster, Instance, ModelDims, Plan, domain_receivers, owned_layout, owner_instances, resolve_budget
+from .quota import (check_drop_ratio, check_min_keep, compute_quota, get_quota_policy, keep_fraction,
+                    proportional_quota, quota_for, retained_total, waterfill_quota)
 
-_EPS = 1e-9
-_NONE: frozenset = frozenset()
+_EPS = K.EPS
+# Plan.check's messages for the codes of lrmoe_jit.check_plan
+_CHECK_ERRORS = {1: "instances must have valid experts, ranks and distinct slots",
+                 2: "instances must have valid experts, ranks and distinct slots",
+                 3: "every expert needs an instance and at most one owner",
+                 4: "negative send or dropped counts", 5: "backward quotas must be in [0, send]"}
 
 
 def _quota(d_E: np.ndarray, n_keep: int, policy: str, options: dict, drop_ratio: float) -> np.ndarray:
@@ -90,90 +95,89 @@ def _over_memory_floor(dims: ModelDims, num_ranks: int, pairs: int, kept: int, b
     return math.isfinite(budget) and -(-floor // num_ranks) > budget
 
 
-def _greedy_context(cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, domain_G) -> dict:
-    """What :func:`_greedy` reads at every threshold (built once per quota): the costs (float64 array) and
-    the ranks by descending cost, the rest as Python lists."""
-    G = len(mem_G)
-    owner_E = np.asarray(owner_E)
-    cost_G = np.asarray(cost_G).astype(np.float64)
-    return {"cost": cost_G, "order": np.argsort(-cost_G, kind="stable").tolist(),  # ranks by descending cost
-            "mem": np.asarray(mem_G, dtype=np.float64).tolist(), "free": np.asarray(free_G).tolist(),
-            "left": np.asarray(d_E).tolist(),
-            "w": np.asarray(w_E, dtype=np.float64).tolist(), "rb": np.asarray(row_bytes_E, dtype=np.float64).tolist(),
-            "others": domain_receivers(domain_G),
-            "mine": experts_by_load_per_rank(L_E, owner_E, G)}  # by descending weighted load
+@functools.lru_cache(maxsize=64)
+def _receivers(cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
+    """Every rank's in-domain receivers (:func:`lrmoe.planning.plan.domain_receivers`) as CSR arrays."""
+    others = domain_receivers(cluster.domain_G)
+    ptr = np.r_[0, np.cumsum([len(o) for o in others])].astype(np.int64)
+    idx = np.array([u for o in others for u in o], dtype=np.int64)
+    return ptr, idx  # shared by the calls: never written (writable, so numba compiles one specialisation)
+
+
+def _problem(cluster: Cluster, dims: ModelDims, budget, free_G, owner_E, backward_weight, min_rows,
+             tolerance=0.0) -> tuple:
+    """The compiled searches' constants of one planner call (:func:`lrmoe.planning.lrmoe_jit.problem`)."""
+    row = token_row_bytes(dims)
+    ptr, idx = _receivers(cluster)
+    return K.problem(owner_E, ptr, idx, free_G, instance_bytes(dims, replica=True), instance_bytes(dims, replica=False),
+                     row["dispatch"], row["saved"], row["output"], row["backward"], budget, backward_weight, min_rows,
+                     tolerance)
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(cluster: Cluster, dims: ModelDims, replica_slots: int) -> tuple:
+    """Free replica slots per rank and every expert's owner."""
+    epr = owned_layout(cluster, dims, "lrmoe")
+    free_G = np.full(cluster.num_ranks, replica_slots, dtype=np.int64)
+    owner_E = np.arange(dims.num_experts, dtype=np.int64) // epr
+    return free_G, owner_E  # shared by the calls: never written
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _replica(expert: int, rank: int, slot: int) -> Instance:
+    """A replica instance (frozen, so shared: building one costs more than finding it)."""
+    return Instance(expert, rank, slot, True)
+
+
+def _builtin_quota(policy: str, options: dict):
+    """(policy code, min_keep) of a built-in quota policy the compiled searches compute themselves, or
+    None (a user policy, or options they do not know: the quotas then come from Python)."""
+    fn = get_quota_policy(policy)
+    if fn is waterfill_quota and set(options) <= {"min_keep"}:
+        return K.WATERFILL, int(options.get("min_keep", 0))
+    if fn is proportional_quota and not options:
+        return K.PROPORTIONAL, 0
+    return None
+
+
+def _greedy_context(cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, domain_G, rep_bytes=0.0,
+                    budget=math.inf, min_rows=1) -> tuple:
+    """The compiled greedy's (qs, prob) for these arguments (:func:`_greedy`)."""
+    G, E = len(mem_G), len(d_E)
+    others = domain_receivers(domain_G)
+    ptr = np.r_[0, np.cumsum([len(o) for o in others])].astype(np.int64)
+    idx = np.array([u for o in others for u in o], dtype=np.int64)
+    prob = K.problem(owner_E, ptr, idx, free_G, rep_bytes, 0, 0, 0, 0, 0, budget, 0.0, min_rows, 0.0)
+    cost_G = np.asarray(cost_G, dtype=np.float64)
+    L_E = np.asarray(L_E, dtype=np.float64)
+    owner_E = np.asarray(owner_E, dtype=np.int64)
+    by_load = np.argsort(-L_E, kind="stable")
+    by_rank = by_load[np.argsort(owner_E[by_load], kind="stable")].astype(np.int64)
+    mine_ptr = np.r_[0, np.cumsum(np.bincount(owner_E, minlength=G))].astype(np.int64)
+    qs = (np.zeros((G, E), dtype=np.int64), np.zeros(E, dtype=np.int64), np.asarray(d_E, dtype=np.int64),
+          np.asarray(w_E, dtype=np.float64), np.asarray(row_bytes_E, dtype=np.float64), cost_G,
+          np.asarray(mem_G, dtype=np.float64), np.argsort(-cost_G, kind="stable").astype(np.int64), mine_ptr, by_rank,
+          0, 0, False, 1, L_E, np.zeros((E, G), dtype=np.int64), np.zeros(G, dtype=np.int64))
+    return qs, prob
 
 
 def _greedy(tau, cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, domain_G, rep_bytes, budget,
-            min_rows, context: dict | None = None):
-    """Replicas (expert, rank, rows) that bring every rank to cost <= tau, or None.
+            min_rows, context: tuple | None = None):
+    """Replicas (expert, rank, rows) that bring every rank to cost <= tau, or None
+    (:func:`lrmoe.planning.lrmoe_jit.greedy`, compiled).
 
     Pass 1 sheds every rank's cost excess (ranks by descending cost, their experts by descending
-    weighted load); pass 2 then uses the slack left to shed memory from ranks still over the
-    budget (best effort). A receiver never goes over tau nor over the budget. ``context``: the
-    :func:`_greedy_context` of the same arguments (built here when None)."""
-    ctx = context or _greedy_context(cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, domain_G)
-    excess = np.maximum(ctx["cost"] - tau, 0.0)
-    slack = np.maximum(tau - ctx["cost"], 0.0)
-    if excess.sum() > slack.sum() + _EPS:
-        return None
-    # Scalar Python over the G ranks (G is small; numpy per-element calls cost more than they save).
-    # Every operation is the same IEEE double arithmetic as the array form, in the same order.
-    excess, slack = excess.tolist(), slack.tolist()
-    mem, free, left = list(ctx["mem"]), list(ctx["free"]), list(ctx["left"])  # left: rows not moved yet
-    wl, rbl, others_G, mine_G = ctx["w"], ctx["rb"], ctx["others"], ctx["mine"]
-    extra: dict[int, set] = {}  # replica hosts of every expert given one (its owner hosts it too)
-    rep_bytes = float(rep_bytes)
-    finite = math.isfinite(budget)
-    replicas = []
-
-    def shed(r, need):
-        """Move rows off rank r until its cost excess ``need`` is gone (and, in pass 2, its memory
-        is within budget); returns the cost excess left."""
-        peers = others_G[r]  # r sheds the experts it owns: never to itself
-        for e in mine_G[r]:
-            w, rb = wl[e], rbl[e]
-            w_min = w - _EPS  # the least slack that takes one row
-            host = extra.get(e, _NONE)
-            while (need > _EPS or mem[r] > budget) and left[e] > 0:
-                t, best = -1, -1.0
-                for u in peers:  # the first rank with the most slack among the eligible ones
-                    if slack[u] > best and free[u] > 0 and slack[u] >= w_min and u not in host \
-                            and (not finite or mem[u] + rep_bytes + rb <= budget):
-                        t, best = u, slack[u]
-                if t < 0:
-                    break
-                want = max(math.ceil(need / w - _EPS), math.ceil((mem[r] - budget) / rb) if mem[r] > budget else 0)
-                # A replica carries at least min_rows (it may shed more than needed, never past tau):
-                # capping it at the need instead would fail at a larger tau where a smaller one
-                # succeeded, and the threshold search would miss far smaller thresholds.
-                x = min(max(want, min_rows), math.floor(slack[t] / w + _EPS), left[e])
-                if finite:
-                    x = min(x, math.floor((budget - mem[t] - rep_bytes) / rb))
-                if x < min_rows:
-                    break
-                replicas.append((e, t, x))
-                slack[t] -= x * w
-                need -= x * w
-                free[t] -= 1
-                mem[t] += rep_bytes + x * rb
-                mem[r] -= x * rb
-                left[e] -= x
-                if host is _NONE:
-                    host = extra[e] = set()
-                host.add(t)
-            if need <= _EPS and mem[r] <= budget:
-                break
-        return need
-
-    order = ctx["order"]
-    for r in order:
-        if excess[r] > _EPS and shed(r, excess[r]) > _EPS:
-            return None
-    for r in order:
-        if mem[r] > budget:
-            shed(r, 0.0)
-    return replicas
+    weighted load; each chunk to the in-domain rank with the most slack that has a free slot and
+    memory headroom; a replica carries at least ``min_rows`` rows: capping it at the need instead
+    would fail at a larger tau where a smaller one succeeded, and the threshold search would miss
+    far smaller thresholds); pass 2 then uses the slack left to shed memory from ranks still over
+    the budget (best effort). A receiver never goes over tau nor over the budget. ``context``: the
+    (qs, prob) of these arguments (built here when None)."""
+    qs, prob = context or _greedy_context(cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, domain_G,
+                                          rep_bytes, budget, min_rows)
+    work = K.workspace(prob)
+    n = K.greedy(int(tau), qs, prob, work)
+    return None if n < 0 else [tuple(r) for r in work[0][:n].tolist()]
 
 
 def _instance_quotas(q_E, rows_E, ranks_E, G: int, backward_weight: float, tau: float) -> list[np.ndarray]:
@@ -187,7 +191,8 @@ def _instance_quotas(q_E, rows_E, ranks_E, G: int, backward_weight: float, tau: 
     tau whenever any rounding is. Which rounding meets a
     cost target is a bipartite feasibility problem (leftover units of each expert -> ranks, at
     most one per instance, at most cap_r = floor((target - base_r) / B) per rank), solved
-    exactly by an integral max flow (``scipy.sparse.csgraph.maximum_flow``). Deterministic."""
+    exactly by an integral max flow (:func:`lrmoe.planning.lrmoe_jit.dinic_flow`, scipy's
+    ``maximum_flow`` compiled). Deterministic."""
     ranks_E = [np.asarray(r, dtype=np.int64) for r in ranks_E]
     rows_E = [np.asarray(r, dtype=np.int64) for r in rows_E]
     sizes = [len(r) for r in rows_E]
@@ -197,9 +202,65 @@ def _instance_quotas(q_E, rows_E, ranks_E, G: int, backward_weight: float, tau: 
     return np.split(kept_N, np.cumsum(sizes)[:-1]) if sizes else []
 
 
+def _instance_quotas_flat(q_E, rows_N, expert_N, rank_N, G: int, backward_weight: float, tau: float) -> np.ndarray:
+    """:func:`_instance_quotas` over flat per-instance arrays (the instances of expert e are those
+    with ``expert_N == e``, in array order; at most one per rank): the kept rows of every instance."""
+    i64 = np.int64
+    return K.instance_quotas(np.asarray(q_E, dtype=i64), np.asarray(rows_N, dtype=i64), np.asarray(expert_N, dtype=i64),
+                             np.asarray(rank_N, dtype=i64), int(G), float(backward_weight), float(tau))
+
+
+@dataclasses.dataclass
+class _Result:
+    """The compiled search's answer for one quota vector: the candidate plan's arrays (assembled
+    into a checked :class:`Plan` by :meth:`plan`)."""
+
+    d_GE: np.ndarray
+    q_E: np.ndarray
+    tau: int
+    threshold_cost: int
+    expert_N: np.ndarray
+    rank_N: np.ndarray
+    slot_N: np.ndarray
+    send: np.ndarray
+    quota: np.ndarray
+    memory: tuple
+    peak: int
+    args: tuple  # cluster, dims, budget, backward_weight, info
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.args[2]
+
+    def plan(self) -> Plan:
+        """The checked Plan (what make_plan would build from these counts, without its Python loops)."""
+        cluster, dims, budget, backward_weight, info = self.args
+        E = dims.num_experts
+        N = self.expert_N.size
+        is_rep = np.arange(N) >= E
+        code, dropped = K.check_plan(self.d_GE, self.expert_N, self.rank_N, self.slot_N, is_rep, self.send, self.quota)
+        if code:
+            raise ValueError(f"plan lrmoe: {_CHECK_ERRORS[code]}")
+        instances = owner_instances(cluster, dims, "lrmoe")
+        instances += map(_replica, self.expert_N[E:].tolist(), self.rank_N[E:].tolist(), self.slot_N[E:].tolist())
+        n_keep = int(self.q_E.sum())
+        info = {**info, "threshold_cost": self.threshold_cost, "threshold": self.tau, "quota_E": self.q_E,
+                "n_keep": n_keep, "backward_weight": backward_weight,
+                "drop_ratio_effective": 1.0 - n_keep / max(int(self.d_GE.sum()), 1)}
+        return Plan("lrmoe", self.d_GE, tuple(instances), self.send, self.quota, dropped, MemoryBreakdown(*self.memory),
+                    budget, over_budget=self.peak > budget, info=info)
+
+
+def _result(d_GE, q_E, raw, args) -> _Result:
+    tau, thr, expert_N, rank_N, slot_N, send, quota, mem, peak = raw
+    return _Result(d_GE, q_E, tau, thr, expert_N, rank_N, slot_N, send, quota, mem, peak, args)
+
+
 class _QuotaSearch:
-    """The threshold searches for one quota vector q_E (module docstring): :meth:`result` is the plan
-    the planner returns for these quotas, :meth:`fits` only whether it fits the budget.
+    """The threshold searches for one quota vector q_E (module docstring; compiled:
+    :func:`lrmoe.planning.lrmoe_jit.search_fits` and :func:`~lrmoe.planning.lrmoe_jit.quota_result`):
+    :meth:`result` is the plan the planner returns for these quotas, :meth:`fits` only whether it
+    fits the budget.
 
     ``fits`` is what the kept-pair and microbatch-split searches probe; it is computed without
     the threshold search where it can be: the plan for q_E fits iff the candidate at the
@@ -207,232 +268,41 @@ class _QuotaSearch:
     threshold ``top`` does (then the memory search finds a fitting threshold <= top), so a
     fitting ``top`` candidate answers ``True`` after one greedy pass; and no candidate fits when
     the ranks' mean memory (:func:`lrmoe.planning.memory.total_memory_floor`, the same for every
-    placement before replicas) is over the budget, which answers ``False`` without any pass. Greedy passes and
-    candidates are memoised per threshold, so ``fits`` then ``result`` costs no more than ``result``."""
+    placement before replicas) is over the budget, which answers ``False`` without any pass."""
 
     def __init__(self, d_GE, q_E, cluster: Cluster, dims: ModelDims, budget, *, free_G, owner_E,
                  backward_weight, min_rows, info, tolerance=0.0):
-        G, E = d_GE.shape
-        d_E = d_GE.sum(0)
-        frac_E = np.divide(q_E, d_E, out=np.zeros(E), where=d_E > 0)
-        w_E = np.where(d_E > 0, 1.0 + backward_weight * frac_E, 0.0)
-        L_E = d_E + backward_weight * q_E
-        row = token_row_bytes(dims)
-        row_bytes_E = row["saved"] + frac_E * row["backward"]  # expert-side bytes per forward row
-        base_G = np.bincount(owner_E, minlength=G) * instance_bytes(dims, replica=False)
-        # Exactly rounded sums (not a BLAS matmul, whose summation order can depend on the CPU):
-        # every rank must compute the same plan.
-        kept_sent_G = np.array([math.fsum(r) for r in (d_GE * frac_E).tolist()]) if G else np.zeros(0)
-        mem_G = (base_G + row["dispatch"] * (d_GE.sum(1) + kept_sent_G) + row["output"] * d_GE.sum(1)
-                 + np.bincount(owner_E, weights=d_E * row_bytes_E, minlength=G))
-        cost_G = np.bincount(owner_E, weights=L_E, minlength=G)
-        self.args = (cost_G, mem_G, d_E, w_E, L_E, row_bytes_E, owner_E, free_G, cluster.domain_G,
-                     instance_bytes(dims, replica=True), budget, min_rows)
-        self.context = _greedy_context(*self.args[:9])
-        self.lo, self.top = math.floor(cost_G.sum() / G), math.ceil(cost_G.max(initial=0.0))
-        self.candidate_args = (d_GE, q_E, cluster, dims, budget, backward_weight, info)
-        self.budget = budget
-        # No plan of these quotas fits when the ranks' mean memory is over the budget
-        self.over_floor = _over_memory_floor(dims, G, int(d_E.sum()), int(np.asarray(q_E).sum()), budget)
-        self.greedy_memo: dict[int, list | None] = {}
-        self.candidate_memo: dict[int, _Candidate | None] = {}
-        self.hi: int | None = None
-        self.slack = _slack(tolerance, self.lo)  # bracket width at which the threshold searches stop
-
-    def greedy(self, tau: int):
-        if tau not in self.greedy_memo:
-            self.greedy_memo[tau] = _greedy(tau, *self.args, context=self.context)
-        return self.greedy_memo[tau]
-
-    def candidate(self, tau: int):
-        """The candidate plan at threshold tau (None when the greedy cannot meet it)."""
-        if tau not in self.candidate_memo:
-            reps = self.greedy(tau)
-            self.candidate_memo[tau] = None if reps is None else _candidate(*self.candidate_args[:2], reps, tau,
-                                                                            *self.candidate_args[2:])
-        return self.candidate_memo[tau]
+        self.d_GE = np.ascontiguousarray(d_GE, dtype=np.int64)
+        self.q_E = np.ascontiguousarray(q_E, dtype=np.int64)
+        self.prob = _problem(cluster, dims, budget, free_G, owner_E, backward_weight, min_rows, tolerance)
+        self.qs = K.search_setup(self.d_GE, self.q_E, self.prob)
+        qs = self.qs
+        self.lo, self.top = qs[10], qs[11]
+        self.args = (qs[5], qs[6], qs[2], qs[3], qs[14], qs[4], self.prob[0], self.prob[3], cluster.domain_G,
+                     self.prob[4], budget, self.prob[12])
+        self.context = (qs, self.prob)
+        self.result_args = (cluster, dims, budget, float(backward_weight), info)
+        self.thr, self.thr_fits = -1, False
 
     def threshold(self) -> int:
         """The smallest integer threshold the greedy meets (bisection; ``top`` always: no replica needed);
         with a tolerance, one the greedy meets less than ``slack`` above the bracket's lower end."""
-        if self.hi is None:
-            lo, hi = self.lo, self.top
-            while hi - lo >= self.slack:  # slack 1: until lo == hi
-                mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if self.greedy(mid) is not None else (mid + 1, hi)
-            self.hi = hi
-        return self.hi
+        if self.thr < 0:
+            self.thr = K.threshold(self.qs, self.prob, K.workspace(self.prob))
+        return self.thr
 
     def fits(self, top_first: bool = True) -> bool:
         """Whether :meth:`result` fits the budget (class docstring). ``top_first=False`` tries the
         cost-optimal candidate first (cheaper where it usually fits: no memory pressure)."""
-        if not math.isfinite(self.budget):
-            return self.result().fits
-        if self.over_floor:
-            return False
-        if not top_first and self.candidate(self.threshold()).fits:
-            return True
-        top = self.candidate(self.top)
-        return (top is not None and top.fits) or self.candidate(self.threshold()).fits
+        fit, self.thr, thr_fits = K.search_fits(self.qs, self.prob, K.workspace(self.prob), top_first, self.thr)
+        self.thr_fits = self.thr_fits or thr_fits
+        return bool(fit)
 
-    def result(self) -> "_Candidate":
+    def result(self) -> _Result:
         """The plan for these quotas: at the cost-optimal threshold, or when that one is over the
         budget, at the smallest higher threshold that fits (if any)."""
-        return dataclasses.replace(self._search(), threshold_cost=self.threshold())
-
-    def _search(self) -> "_Candidate":
-        hi, top = self.threshold(), self.top
-        plan = self.candidate(hi)
-        if plan.fits or not math.isfinite(self.budget):
-            return plan
-
-        # Over the memory budget at the cost-optimal threshold: a higher threshold leaves more slack
-        # to move rows off the ranks over the budget (pass 2 of the greedy). Smallest fitting
-        # threshold above it: doubling steps, then bisection (every plan taken fits). The largest
-        # threshold is tried first, so quotas that cannot fit at all cost one extra plan only.
-        def fitting(tau):
-            p = self.candidate(tau)
-            return p if p is not None and p.fits else None
-
-        if hi == top or fitting(top) is None:
-            return plan
-        bad, step, found = hi, 1, None
-        while bad < top and found is None:
-            tau = min(bad + step, top)
-            found = fitting(tau)
-            if found is None:
-                bad, step = tau, 2 * step
-        if found is None:
-            return plan
-        good = found.tau
-        while good - bad > self.slack:
-            mid = (bad + good) // 2
-            p = fitting(mid)
-            bad, good, found = (bad, mid, p) if p is not None else (mid, good, found)
-        return found
-
-
-def _instance_quotas_flat(q_E, rows_N, expert_N, rank_N, G: int, backward_weight: float, tau: float) -> np.ndarray:
-    """:func:`_instance_quotas` over flat per-instance arrays (the instances of expert e are those
-    with ``expert_N == e``, in array order; at most one per rank): the kept rows of every instance."""
-    q_E = np.asarray(q_E, dtype=np.int64)
-    rows_N = np.asarray(rows_N, dtype=np.int64)
-    expert_N = np.asarray(expert_N, dtype=np.int64)
-    rank_N = np.asarray(rank_N, dtype=np.int64)
-    E = q_E.size
-    d_E = np.bincount(expert_N, weights=rows_N, minlength=E).astype(np.int64)
-    d_N, q_N = d_E[expert_N], q_E[expert_N]
-    safe_N = np.where(d_N > 0, d_N, 1)
-    floors_N = np.where(d_N > 0, rows_N * q_N // safe_N, 0)
-    fractional_N = (d_N > 0) & (rows_N * q_N % safe_N != 0)
-    units_E = q_E - np.bincount(expert_N, weights=floors_N, minlength=E).astype(np.int64)
-    exact_N = largest_remainder_groups(np.where(d_E > 0, q_E, 0), rows_N, expert_N)
-    F_G = np.bincount(rank_N, weights=rows_N, minlength=G)
-    if backward_weight <= 0 or units_E.sum() == 0 or (
-            F_G + backward_weight * np.bincount(rank_N, weights=exact_N, minlength=G)).max(initial=0.0) <= tau + _EPS:
-        return exact_N
-    from scipy.sparse import csr_matrix
-    from scipy.sparse.csgraph import maximum_flow
-
-    base_G = F_G + backward_weight * np.bincount(rank_N, weights=floors_N, minlength=G)
-    cand_G = np.bincount(rank_N, weights=fractional_N, minlength=G).astype(np.int64)  # may take one more unit
-    experts = np.flatnonzero(units_E > 0)
-    node_E = np.zeros(E, dtype=np.int64)
-    node_E[experts] = 1 + np.arange(experts.size)
-    # nodes: 0 source, 1..len(experts) experts, then G ranks, then the sink; edges: source -> expert,
-    # then expert -> rank per expert in instance order, then rank -> sink
-    src, sink = 0, experts.size + G + 1
-    order = np.argsort(expert_N, kind="stable")
-    order = order[fractional_N[order] & (units_E[expert_N[order]] > 0)]
-    u0 = np.r_[np.full(experts.size, src), node_E[expert_N[order]]]
-    v0 = np.r_[1 + np.arange(experts.size), 1 + experts.size + rank_N[order]]
-    c0 = np.r_[units_E[experts], np.ones(order.size, dtype=np.int64)]
-
-    # One graph; every target only changes the rank -> sink capacities (explicit zeros stay
-    # entries, as they do when the graph is built anew). A rank node's row holds that one edge.
-    u = np.r_[u0, 1 + experts.size + np.arange(G)].astype(np.int32)
-    v = np.r_[v0, np.full(G, sink)].astype(np.int32)
-    template = csr_matrix((np.r_[c0, np.zeros(G, dtype=np.int64)].astype(np.int32), (u, v)),
-                          shape=(sink + 1, sink + 1))
-    cap_pos = template.indptr[1 + experts.size + np.arange(G)]
-
-    def caps_at(target):
-        return np.minimum(np.floor((target - base_G) / backward_weight + _EPS), cand_G).clip(0).astype(np.int64)
-
-    def flow_at(target):
-        graph = template.copy()
-        graph.data[cap_pos] = caps_at(target)
-        res = maximum_flow(graph, src, sink)
-        return res if res.flow_value == int(units_E.sum()) else None
-
-    # The executed maximum is one of the values base_r + B k: the smallest one that admits a flow
-    # (the largest always does: every rank uncapped). Feasibility only grows with the target (the
-    # capacities do), so the smallest is unique: targets whose rank capacities cannot hold the
-    # units at all are skipped without a flow, the first one left is tried first (it usually
-    # admits one), then binary search above it.
-    targets = sorted({float(b + backward_weight * k) for b, n in zip(base_G, cand_G) for k in range(int(n) + 1)})
-    targets = [t for t in targets if t >= base_G.max() - _EPS]
-    total = int(units_E.sum())
-    t_T = np.asarray(targets)[:, None]  # the same arithmetic as caps_at, for every target at once
-    room_T = np.minimum(np.floor((t_T - base_G) / backward_weight + _EPS), cand_G).clip(0).sum(1)
-    lo = int(np.argmax(room_T >= total)) if (room_T >= total).any() else len(targets) - 1
-    best = flow_at(targets[lo])
-    hi = lo if best is not None else len(targets) - 1
-    lo += best is None
-    while lo < hi:
-        mid = (lo + hi) // 2
-        res = flow_at(targets[mid])
-        lo, hi, best = (lo, mid, res) if res is not None else (mid + 1, hi, best)
-    if best is None:
-        best = flow_at(targets[hi])
-    flow = best.flow.tocsr()
-    has = units_E[expert_N] > 0
-    out = floors_N.copy()
-    out[has] += np.asarray(flow[node_E[expert_N[has]], 1 + experts.size + rank_N[has]]).ravel().astype(np.int64)
-    return out
-
-
-@dataclasses.dataclass
-class _Candidate:
-    """The counts of one candidate plan and its memory; :meth:`plan` assembles the checked Plan
-    (only the plan a search returns is assembled: the searches read ``fits`` alone)."""
-
-    d_GE: np.ndarray
-    q_E: np.ndarray
-    hosts_E: list
-    send: np.ndarray
-    quota: np.ndarray
-    tau: int
-    fits: bool
-    args: tuple
-    threshold_cost: int | None = None  # the cost-optimal threshold of the quota's search
-
-    def plan(self) -> Plan:
-        cluster, dims, budget, backward_weight, info = self.args
-        instances, _ = replica_instances(cluster, dims, self.hosts_E, "lrmoe")
-        d_E, n_keep = self.d_GE.sum(0), int(self.q_E.sum())
-        info = {**info, "threshold_cost": self.threshold_cost, "threshold": self.tau, "quota_E": self.q_E, "n_keep": n_keep,
-                "backward_weight": backward_weight, "drop_ratio_effective": 1.0 - n_keep / max(int(d_E.sum()), 1)}
-        return make_plan("lrmoe", self.d_GE, cluster, dims, budget, instances, self.send, self.quota, info=info)
-
-
-def _candidate(d_GE, q_E, replicas, tau, cluster: Cluster, dims: ModelDims, budget, backward_weight,
-               info) -> _Candidate:
-    """The greedy's replicas at threshold ``tau``: locality-first routing, per-(source, instance)
-    backward quotas and the memory they need (instances in the order of
-    :func:`lrmoe.planning.plan.replica_instances`: owners, then replicas by expert)."""
-    G, E = d_GE.shape
-    d_E = d_GE.sum(0)
-    hosts_E = [[] for _ in range(E)]
-    for e, t, _ in replicas:
-        hosts_E[e].append(t)
-    expert_N, rank_N, rows_N = replica_columns(replicas, d_E, np.arange(E) // owned_layout(cluster, dims, "lrmoe"))
-    send = locality_split_replicas(d_GE, expert_N, rank_N, rows_N)
-    kept_N = _instance_quotas_flat(q_E, rows_N, expert_N, rank_N, G, backward_weight, tau)
-    quota = largest_remainder_cols(kept_N, send)
-    mem = plan_memory(dims, G, rank_N, np.arange(expert_N.size) >= E, send, quota, pairs_G=d_GE.sum(1))
-    return _Candidate(d_GE, q_E, hosts_E, send, quota, tau, mem.peak <= budget,
-                      (cluster, dims, budget, backward_weight, info))
+        return _result(self.d_GE, self.q_E, K.quota_result(self.d_GE, self.q_E, self.prob, self.thr, self.thr_fits),
+                       self.result_args)
 
 
 def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio: float = 0.0,
@@ -469,61 +339,96 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
     if isinstance(R, bool) or not isinstance(R, (int, np.integer)) or not 0 <= R <= R_max:
         raise ValueError(f"replica_slots must be an integer in [0, S - E/G = {R_max}], got {R!r}")
     quota_options = dict(quota_options or {})
-    compute_quota(np.zeros(dims.num_experts, dtype=np.int64), drop_ratio, quota_policy, **quota_options)  # validates
-    kw = dict(free_G=np.full(cluster.num_ranks, R, dtype=np.int64), owner_E=np.arange(dims.num_experts) // epr,
-              backward_weight=float(backward_weight), min_rows=int(min_rows),
-              info={"drop_ratio": drop_ratio, "quota_policy": quota_policy, "search_tolerance": search_tolerance},
-              tolerance=float(search_tolerance))
+    builtin = _builtin_quota(quota_policy, quota_options)
+    if builtin is None:
+        compute_quota(np.zeros(dims.num_experts, dtype=np.int64), drop_ratio, quota_policy, **quota_options)  # validates
+    else:
+        check_min_keep(quota_options.get("min_keep", 0))
+    bw = float(backward_weight)
+    info = {"drop_ratio": drop_ratio, "quota_policy": quota_policy, "search_tolerance": search_tolerance}
+    prob = _problem(cluster, dims, budget_bytes, *_layout(cluster, dims, int(R)), bw, int(min_rows),
+                    float(search_tolerance))
+    result_args = (cluster, dims, budget_bytes, bw, info)
+    keep = keep_fraction(drop_ratio)
+    # the compiled built-in policies' arguments after the demand piece and the constants
+    policy_args = None if builtin is None else (builtin[0], builtin[1], keep.numerator, keep.denominator)
 
-    searches: dict[tuple, _QuotaSearch] = {}  # (demand piece, n_keep) -> its search, within this call
+    def quotas(d_GE, n_keep):
+        """Quotas of n_keep pairs of the piece d_GE from Python (a user policy)."""
+        return _quota(d_GE.sum(0), n_keep, quota_policy, quota_options, drop_ratio)
 
-    def search(d_GE, n_keep) -> _QuotaSearch:
-        key = (d_GE.tobytes(), n_keep)
-        if key not in searches:
-            q_E = _quota(d_GE.sum(0), n_keep, quota_policy, quota_options, drop_ratio)
-            searches[key] = _QuotaSearch(d_GE, q_E, cluster, dims, budget_bytes, **kw)
-        return searches[key]
-
-    kept: dict[bytes, int | None] = {}  # demand piece -> its shrunk_keep, within this call
+    # demand piece -> (its shrunk keep or None, that quota's threshold or -1, whether the candidate there fits)
+    kept: dict[bytes, tuple] = {}
 
     def shrunk_keep(d_GE):
         """How many pairs the plan of d_GE keeps: the requested n_keep when it fits; else the
         largest n_keep >= the max_drop_ratio one that fits (bisection), None when none fits."""
         key = d_GE.tobytes()
         if key not in kept:
-            kept[key] = keep_search(d_GE)
-        return kept[key]
+            P = int(d_GE.sum())
+            hi_keep, lo_keep = retained_total(P, drop_ratio), retained_total(P, max_drop_ratio)
+            if policy_args is not None:
+                n_keep, thr, thr_fits, bad = K.keep_search(d_GE, prob, *policy_args, hi_keep, lo_keep)
+                _raise_on_bad_quota(bad)
+                kept[key] = (None if n_keep < 0 else n_keep, thr, thr_fits)
+            else:
+                kept[key] = python_keep_search(d_GE, P, hi_keep, lo_keep)
+        return kept[key][0]
 
-    def keep_search(d_GE):
-        P = int(d_GE.sum())
+    def python_keep_search(d_GE, P, hi_keep, lo_keep):
+        """The kept-pair search with quotas from Python (a user policy): the same bisection as
+        lrmoe_jit.keep_search, every probe's threshold searches compiled."""
+        thresholds = {}
 
         def fits_keep(n_keep, top_first=True):
-            # _QuotaSearch.fits starts with the same floor test (its quotas sum to min(n_keep, P)); it
-            # needs only the pair counts, so probes it refuses skip the quotas and the search
-            return not _over_memory_floor(dims, cluster.num_ranks, P, min(n_keep, P), budget_bytes) \
-                and search(d_GE, n_keep).fits(top_first)
+            # the floor needs only the pair counts: probes it refuses skip the quotas and the search
+            if _over_memory_floor(dims, cluster.num_ranks, P, min(n_keep, P), budget_bytes):
+                return False
+            fit, *thresholds[n_keep] = K.quota_search_fits(d_GE, quotas(d_GE, n_keep), prob, top_first)
+            return bool(fit)
 
-        hi_keep = retained_total(P, drop_ratio)
         if fits_keep(hi_keep, top_first=False):  # the requested quotas usually fit
-            return hi_keep
-        lo_keep = retained_total(P, max_drop_ratio)
+            return (hi_keep, *thresholds[hi_keep])
         if not fits_keep(lo_keep):
-            return None  # quotas alone cannot make it fit: resolve_budget splits or reports oom
+            return None, -1, False  # quotas alone cannot make it fit: resolve_budget splits or reports oom
         slack = _slack(search_tolerance, P)
         while hi_keep - lo_keep > slack:  # lo_keep fits, hi_keep does not
             mid = (lo_keep + hi_keep) // 2
             lo_keep, hi_keep = (mid, hi_keep) if fits_keep(mid) else (lo_keep, mid)
-        return lo_keep
+        return (lo_keep, *thresholds[lo_keep])
 
     def build(d_GE, row_cap):
-        hi_keep = retained_total(int(d_GE.sum()), drop_ratio)
-        n_keep = shrunk_keep(d_GE)
-        if n_keep is None:
-            return search(d_GE, hi_keep).result().plan()
-        plan = search(d_GE, n_keep).result().plan()
-        return plan if n_keep == hi_keep else dataclasses.replace(plan, over_budget=True, fallback="shrink_quota")
+        P = int(d_GE.sum())
+        hi_keep = retained_total(P, drop_ratio)
+        key = d_GE.tobytes()
+        if policy_args is not None and key not in kept:  # the search and the plan in one compiled call
+            n_keep, q_E, bad, raw = K.plan_piece(d_GE, prob, *policy_args, hi_keep, retained_total(P, max_drop_ratio))
+            _raise_on_bad_quota(bad)
+            kept[key] = (None if n_keep < 0 else n_keep, raw[1], False)
+            n_keep = kept[key][0]
+        else:
+            shrunk_keep(d_GE)
+            n_keep, thr, thr_fits = kept[key]
+            if n_keep is None:
+                thr, thr_fits = -1, False
+            use = hi_keep if n_keep is None else n_keep
+            if policy_args is not None:
+                q_E, bad, raw = K.piece_result(d_GE, prob, *policy_args, use, hi_keep, thr, thr_fits)
+                _raise_on_bad_quota(bad)
+            else:
+                q_E = quotas(d_GE, use)
+                raw = K.quota_result(d_GE, q_E, prob, thr, thr_fits)
+        plan = _result(d_GE, q_E, raw, result_args).plan()
+        return plan if n_keep in (None, hi_keep) else dataclasses.replace(plan, over_budget=True,
+                                                                          fallback="shrink_quota")
 
     def fits(d_GE, row_cap):
         return shrunk_keep(d_GE) is not None
 
     return resolve_budget(build, demand_GE, budget_bytes, fallback, max_split, fits=fits)
+
+
+def _raise_on_bad_quota(status) -> None:
+    if status != K.QUOTA_OK:  # a bug in a compiled quota policy, never a user error
+        raise ValueError("a compiled quota policy broke the quota contract (0 <= q <= d, sum == n_keep); "
+                         "compare lrmoe.planning.lrmoe_jit.quota with lrmoe.planning.quota")

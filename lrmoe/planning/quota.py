@@ -15,6 +15,7 @@ registered here with :func:`register_quota_policy`; one registered for the layer
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import numbers
@@ -42,8 +43,13 @@ def keep_fraction(drop_ratio: float) -> Fraction:
     shortest decimal that reads back as the float), or of a simple fraction when the float is
     exactly that fraction's nearest float (1/3 -> 2/3; 0.1666667 stays 1666667/10^7, not 1/6).
 
-    Rounding on the float product instead would turn 31.5 into 31.499999 (P=45, rho=0.3)."""
-    rho = check_drop_ratio(drop_ratio)
+    Rounding on the float product instead would turn 31.5 into 31.499999 (P=45, rho=0.3). Computed
+    once per drop ratio (the planners ask for it on every call)."""
+    return _keep_fraction(check_drop_ratio(drop_ratio))
+
+
+@functools.lru_cache(maxsize=256)
+def _keep_fraction(rho: float) -> Fraction:
     exact = Fraction(repr(rho))
     simple = exact.limit_denominator(1_000_000)
     if float(simple) == rho:
@@ -59,7 +65,8 @@ def retained_total(num_pairs: int, drop_ratio: float) -> int:
     keep = keep_fraction(drop_ratio)
     if num_pairs < 0:
         raise ValueError(f"num_pairs must be >= 0, got {num_pairs}")
-    return min(int(num_pairs), math.floor(keep * int(num_pairs) + Fraction(1, 2)))
+    num, den = keep.numerator, keep.denominator  # floor(keep * P + 1/2) in integers
+    return min(int(num_pairs), (2 * num * int(num_pairs) + den) // (2 * den))
 
 
 def _top_ranks(priority_E: np.ndarray, eligible_E: np.ndarray) -> np.ndarray:

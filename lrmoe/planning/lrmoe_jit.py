@@ -1,0 +1,1331 @@
+"""The LRMoE planner's compiled loops (:func:`lrmoe.planning.jit.njit`): numpy arrays and scalars in and out.
+
+:mod:`lrmoe.planning.lrmoe_plan` keeps the Python around them (options, the registry of quota
+policies, the budget fallbacks, the :class:`~lrmoe.planning.plan.Plan`); everything it repeats per
+threshold or per kept-pair probe runs here: the built-in quota policies, the greedy, a candidate's
+locality-first routing, instance quotas (with the integral max flow), backward quotas and memory,
+the threshold searches and the kept-pair search.
+
+Same plans as the plain Python (the frozen reference, :mod:`lrmoe.planning.reference.lrmoe_plan`):
+every float is the same IEEE double operation in the same order. Where the Python used numpy or the
+standard library for a float reduction this module has its exact twin: :func:`np_sum` is numpy's
+pairwise summation of a 1-D float64 array, :func:`fsum` CPython's ``math.fsum``,
+:func:`dinic_flow` scipy's ``maximum_flow`` (Dinic's algorithm: the same flow, not only the same
+value). Integer counts stay int64 (plans larger than 2^53 pairs are out of scope for both).
+
+Layout of the arguments: ``prob`` is the tuple of one planner call's constants (:func:`problem`),
+``qs`` the tuple one quota vector's search reads (:func:`search_setup`).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .jit import njit
+
+EPS = 1e-9
+WATERFILL, PROPORTIONAL = 0, 1  # the built-in quota policies (lrmoe.planning.quota)
+# status codes of a quota vector (a bug, never a user error: the Python raises with the details)
+QUOTA_OK, QUOTA_BAD = 0, 1
+
+
+# ----------------------------------------------------------------------------- float reductions
+@njit
+def _block_sum(a, lo, n):
+    """numpy's pairwise_sum over a[lo:lo + n] for n <= 128 (8 accumulators beyond 7 elements)."""
+    if n < 8:
+        res = 0.0
+        for i in range(lo, lo + n):
+            res += a[i]
+        return res
+    r0, r1, r2, r3 = a[lo], a[lo + 1], a[lo + 2], a[lo + 3]
+    r4, r5, r6, r7 = a[lo + 4], a[lo + 5], a[lo + 6], a[lo + 7]
+    i = 8
+    m = n - n % 8
+    while i < m:
+        r0 += a[lo + i]
+        r1 += a[lo + i + 1]
+        r2 += a[lo + i + 2]
+        r3 += a[lo + i + 3]
+        r4 += a[lo + i + 4]
+        r5 += a[lo + i + 5]
+        r6 += a[lo + i + 6]
+        r7 += a[lo + i + 7]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        res += a[lo + i]
+        i += 1
+    return res
+
+
+@njit
+def np_sum(a):
+    """``a.sum()`` of a contiguous 1-D float64 array, bit for bit: numpy's pairwise summation (blocks
+    of at most 128; a longer range is the sum of its halves, the first a multiple of 8 long), its
+    recursion run on an explicit stack (numba's on-disk cache does not keep recursive functions)."""
+    n = a.size
+    if n <= 128:
+        return _block_sum(a, 0, n)
+    frames = np.empty((128, 3), dtype=np.int64)  # (start, length, phase); depth <= log2(n)
+    values = np.empty(128)
+    top, nv = 0, 0
+    frames[0, 0], frames[0, 1], frames[0, 2] = 0, n, 0
+    while top >= 0:
+        lo, m, phase = frames[top, 0], frames[top, 1], frames[top, 2]
+        if m <= 128:
+            values[nv] = _block_sum(a, lo, m)
+            nv += 1
+            top -= 1
+            continue
+        half = m // 2
+        half -= half % 8
+        if phase == 0:  # the first half
+            frames[top, 2] = 1
+            top += 1
+            frames[top, 0], frames[top, 1], frames[top, 2] = lo, half, 0
+        elif phase == 1:  # the second half
+            frames[top, 2] = 2
+            top += 1
+            frames[top, 0], frames[top, 1], frames[top, 2] = lo + half, m - half, 0
+        else:
+            nv -= 1
+            values[nv - 1] = values[nv - 1] + values[nv]
+            top -= 1
+    return values[0]
+
+
+@njit
+def fsum(a):
+    """``math.fsum(a)`` bit for bit (CPython's partials algorithm with its half-even correction)."""
+    p = np.empty(32)
+    n = 0
+    for k in range(a.size):
+        x = a[k]
+        i = 0
+        for j in range(n):
+            y = p[j]
+            if abs(x) < abs(y):
+                x, y = y, x
+            hi = x + y
+            lo = y - (hi - x)
+            if lo != 0.0:
+                p[i] = lo
+                i += 1
+            x = hi
+        n = i
+        if x != 0.0:
+            if n >= p.size:
+                grown = np.empty(2 * p.size)
+                grown[:n] = p[:n]
+                p = grown
+            p[n] = x
+            n += 1
+    hi = 0.0
+    if n > 0:
+        n -= 1
+        hi = p[n]
+        lo = 0.0
+        while n > 0:
+            x = hi
+            n -= 1
+            y = p[n]
+            hi = x + y
+            lo = y - (hi - x)
+            if lo != 0.0:
+                break
+        if n > 0 and ((lo < 0.0 and p[n - 1] < 0.0) or (lo > 0.0 and p[n - 1] > 0.0)):
+            y = lo * 2.0
+            x = hi + y
+            if y == x - hi:
+                hi = x
+    return hi
+
+
+@njit
+def exact_sum(a):
+    """``math.fsum(a)`` (the correctly rounded sum), fast: a compensated sum (every addition's error
+    kept exactly by TwoSum, the errors summed) whose result is returned when its error bound proves
+    it correctly rounded, else :func:`fsum` (rare: the sum lies within the bound of a rounding
+    boundary, or of zero)."""
+    n = a.size
+    s, c, err = 0.0, 0.0, 0.0
+    for k in range(n):
+        x = a[k]
+        t = s + x
+        z = t - s
+        e = (s - (t - z)) + (x - z)  # TwoSum: s + x == t + e exactly
+        s = t
+        c += e
+        err += abs(e)
+    hi = s + c
+    z = hi - s
+    lo = (s - (hi - z)) + (c - z)  # TwoSum(s, c): hi + lo == s + c exactly
+    if not (math.isfinite(hi) and hi != 0.0):
+        return fsum(a)
+    # |exact - (hi + lo)| <= gamma_n * sum|e|, gamma_n = n u / (1 - n u), taken twice for the rounding of err
+    bound = 2.0 * (n * 1.1102230246251565e-16) / (1.0 - n * 1.1102230246251565e-16) * err
+    m, ex = math.frexp(abs(hi))
+    if ex < -1000:
+        return fsum(a)
+    half_gap = math.ldexp(1.0, ex - 54)  # half the spacing above |hi|
+    if m == 0.5:
+        half_gap *= 0.5  # a power of two: the spacing below is half as wide
+    if abs(lo) + bound < half_gap:
+        return hi
+    return fsum(a)
+
+
+@njit
+def exact_row_sums(d_EG, frac_E):
+    """``math.fsum(d_EG[:, r] * frac_E)`` for every rank r (the demand transposed, [E, G]):
+    :func:`exact_sum`'s compensated sums for all ranks at once (the inner loop over ranks is
+    contiguous and vectorises), each proven correctly rounded or redone with :func:`fsum`."""
+    E, G = d_EG.shape
+    s = np.zeros(G)
+    c = np.zeros(G)
+    err = np.zeros(G)
+    for k in range(E):
+        f = frac_E[k]
+        for r in range(G):
+            x = d_EG[k, r] * f
+            t = s[r] + x
+            z = t - s[r]
+            e = (s[r] - (t - z)) + (x - z)
+            s[r] = t
+            c[r] += e
+            err[r] += abs(e)
+    out = np.empty(G)
+    gamma = 2.0 * (E * 1.1102230246251565e-16) / (1.0 - E * 1.1102230246251565e-16)
+    row = np.empty(E)
+    for r in range(G):
+        hi = s[r] + c[r]
+        z = hi - s[r]
+        lo = (s[r] - (hi - z)) + (c[r] - z)
+        ok = math.isfinite(hi) and hi != 0.0
+        if ok:
+            m, ex = math.frexp(abs(hi))
+            half_gap = math.ldexp(1.0, ex - 54) * (0.5 if m == 0.5 else 1.0)
+            ok = ex >= -1000 and abs(lo) + gamma * err[r] < half_gap
+        if ok:
+            out[r] = hi
+        else:
+            for k in range(E):
+                row[k] = d_EG[k, r] * frac_E[k]
+            out[r] = fsum(row)
+    return out
+
+
+# ----------------------------------------------------------------------------- small integer helpers
+@njit
+def _desc_order(key):
+    """Indices by descending key, ties to the lower index (``np.argsort(-key, kind="stable")``)."""
+    return np.argsort(-key, kind="mergesort")
+
+
+@njit
+def _kth_largest(buf, n, k):
+    """The k-th largest of buf[:n] (1 <= k <= n; buf is scratch: reordered)."""
+    lo, hi, target = 0, n - 1, k - 1
+    while lo < hi:
+        pivot = buf[(lo + hi) // 2]
+        i, j = lo, hi
+        while i <= j:  # Hoare partition, descending
+            while buf[i] > pivot:
+                i += 1
+            while buf[j] < pivot:
+                j -= 1
+            if i <= j:
+                buf[i], buf[j] = buf[j], buf[i]
+                i += 1
+                j -= 1
+        if target <= j:
+            hi = j
+        elif target >= i:
+            lo = i
+        else:
+            return buf[target]
+    return buf[target]
+
+
+@njit
+def _add_top_buf(out, rem, missing, buf):
+    """``out[i] += 1`` for the ``missing`` entries of largest ``rem`` (ties: the lower index), as
+    ``out + (rank < missing)`` with ``rank`` from a stable argsort of ``-rem``; ``buf``: scratch of
+    rem's size."""
+    n = rem.size
+    if missing <= 0:
+        return
+    if missing >= n:
+        for i in range(n):
+            out[i] += 1
+        return
+    for i in range(n):
+        buf[i] = rem[i]
+    T = _kth_largest(buf, n, missing)
+    ties = missing
+    for i in range(n):
+        if rem[i] > T:
+            ties -= 1
+    for i in range(n):
+        if rem[i] > T:
+            out[i] += 1
+        elif rem[i] == T and ties > 0:
+            out[i] += 1
+            ties -= 1
+
+
+@njit
+def _add_top(out, rem, missing):
+    """:func:`_add_top_buf` with its own scratch."""
+    if missing > 0:
+        _add_top_buf(out, rem, missing, np.empty(rem.size, dtype=rem.dtype))
+
+
+@njit
+def largest_remainder_col(total, w, out, rem, buf):
+    """``out[:] = largest_remainder(total, w)`` (:func:`lrmoe.planning.plan.largest_remainder_cols` of one
+    column); w >= 0 sums to > 0 whenever total != 0. ``rem``, ``buf``: int64 scratch of w's size."""
+    n = w.size
+    W = 0
+    for i in range(n):
+        W += w[i]
+    if total == 0 or W <= 0:
+        for i in range(n):
+            out[i] = 0
+        return
+    if total == W:  # every weight kept whole
+        for i in range(n):
+            out[i] = w[i]
+        return
+    s = 0
+    if total < 2**26 and W < 2**26:  # w * total < 2^52: a float quotient is within 1 of the floor
+        fW = float(W)
+        for i in range(n):
+            p = w[i] * total
+            f = np.int64(p / fW)
+            r = p - f * W
+            if r < 0:
+                f -= 1
+                r += W
+            elif r >= W:
+                f += 1
+                r -= W
+            out[i] = f
+            rem[i] = r
+            s += f
+    else:
+        for i in range(n):
+            p = w[i] * total
+            out[i] = p // W
+            rem[i] = p - out[i] * W
+            s += out[i]
+    _add_top_buf(out, rem, total - s, buf)
+
+
+# ----------------------------------------------------------------------------- quota policies
+@njit
+def waterfill(d, n_keep):
+    """:func:`lrmoe.planning.quota.waterfill_quota` without a floor (int64 in and out)."""
+    E = d.size
+    if E == 0:
+        return np.zeros(0, dtype=np.int64)
+    # the largest breakpoint b in {0} U {d_e} with f(b) = sum_e min(d_e, b) <= n_keep (f non-decreasing)
+    s = np.sort(d)
+    b = 0
+    prefix = 0
+    for k in range(E):
+        f = prefix + s[k] * (E - k)
+        if f <= n_keep:
+            b = s[k]
+        prefix += s[k]
+    above = 0
+    fb = 0
+    for e in range(E):
+        if d[e] > b:
+            above += 1
+            fb += b
+        else:
+            fb += d[e]
+    tau = b + ((n_keep - fb) // above if above else 0)
+    q = np.empty(E, dtype=np.int64)
+    total = 0
+    for e in range(E):
+        q[e] = min(d[e], tau)
+        total += q[e]
+    missing = n_keep - total
+    if missing > 0:  # the hottest experts above tau get one more first (ties: the lower index)
+        key = np.empty(E, dtype=np.int64)
+        for e in range(E):
+            key[e] = d[e] if d[e] > tau else -1
+        _add_top(q, key, missing)
+    return q
+
+
+@njit
+def waterfill_floor(d, n_keep, min_keep):
+    """:func:`lrmoe.planning.quota.waterfill_quota` with the ``min_keep`` floor."""
+    if min_keep <= 0:
+        return waterfill(d, n_keep)
+    floor_E = np.minimum(d, min_keep)
+    fs = floor_E.sum()
+    if fs >= n_keep:
+        return waterfill(floor_E, n_keep)
+    return floor_E + waterfill(d - floor_E, n_keep - fs)
+
+
+@njit
+def proportional(d, n_keep, num, den):
+    """:func:`lrmoe.planning.quota.proportional_quota` with the kept fraction num / den."""
+    E = d.size
+    q = np.zeros(E, dtype=np.int64)
+    if n_keep == 0:
+        return q
+    rem = np.empty(E, dtype=np.int64)
+    total = 0
+    for e in range(E):
+        p = d[e] * num
+        q[e] = p // den
+        rem[e] = p - q[e] * den
+        total += q[e]
+    key = np.empty(E, dtype=np.int64)
+    for e in range(E):
+        key[e] = rem[e] if rem[e] > 0 else -1
+    _add_top(q, key, n_keep - total)
+    return q
+
+
+@njit
+def quota(d_E, n_keep, policy, min_keep, num, den, exact):
+    """The planner's quotas (``lrmoe_plan._quota``) of a built-in policy: the demand when n_keep >= P;
+    ``exact`` (n_keep is the drop ratio's own) makes proportional use the kept fraction num / den."""
+    P = d_E.sum()
+    if n_keep >= P:
+        return d_E.copy()
+    if policy == WATERFILL:
+        return waterfill_floor(d_E, n_keep, min_keep)
+    if exact:
+        return proportional(d_E, n_keep, num, den)
+    return proportional(d_E, n_keep, n_keep, max(P, 1))
+
+
+@njit
+def quota_status(d_E, q_E, n_keep):
+    """The quota contract (0 <= q <= d, sum == n_keep): QUOTA_OK or QUOTA_BAD."""
+    s = 0
+    for e in range(d_E.size):
+        if q_E[e] < 0 or q_E[e] > d_E[e]:
+            return QUOTA_BAD
+        s += q_E[e]
+    return QUOTA_OK if s == n_keep else QUOTA_BAD
+
+
+# ----------------------------------------------------------------------------- constants of one call
+def problem(owner_E, others_ptr, others_idx, free_G, rep_bytes, owner_bytes, row_dispatch, row_saved, row_output,
+            row_backward, budget, backward_weight, min_rows, tolerance):
+    """The constants of one planner call as one tuple (``prob``, plain Python): ownership, in-domain
+    receivers (CSR: the others of rank r are ``others_idx[others_ptr[r]:others_ptr[r + 1]]``), free
+    replica slots, byte sizes (a replica's, an owner's, per row), the budget, B, min_rows, the
+    tolerance, and a counter of greedy passes (``prob[14][0]``, read by the tests)."""
+    i64 = np.int64
+    return (np.asarray(owner_E, dtype=i64), np.asarray(others_ptr, dtype=i64), np.asarray(others_idx, dtype=i64),
+            np.asarray(free_G, dtype=i64), float(rep_bytes), int(owner_bytes), int(row_dispatch), int(row_saved),
+            int(row_output), int(row_backward), float(budget), float(backward_weight), int(min_rows),
+            float(tolerance), np.zeros(1, dtype=i64))
+
+
+@njit
+def over_memory_floor(prob, G, pairs, kept):
+    """``lrmoe_plan._over_memory_floor``: no plan keeping ``kept`` of ``pairs`` fits the budget."""
+    owner_E, budget = prob[0], prob[10]
+    floor = (owner_E.size * prob[5] + prob[6] * (pairs + kept) + (prob[7] + prob[8]) * pairs + prob[9] * kept)
+    return budget < math.inf and -(-floor // G) > budget
+
+
+@njit
+def slack_units(tolerance, scale):
+    """``lrmoe_plan._slack``: bracket width at which a bisection stops (1 for tolerance 0)."""
+    return max(1, math.floor(tolerance * scale))
+
+
+# ----------------------------------------------------------------------------- one quota vector's search
+@njit
+def search_setup(d_GE, q_E, prob):
+    """What every threshold of q_E's search reads (``lrmoe_plan._QuotaSearch.__init__``), as ``qs``:
+    (d_GE, q_E, d_E, w_E, rb_E, cost_G, mem_G, order_G, mine_ptr, mine_idx, lo, top, over_floor, slack, L_E,
+    d_EG (the demand transposed), pairs_G)."""
+    owner_E, bw = prob[0], prob[11]
+    G, E = d_GE.shape
+    d_E = np.zeros(E, dtype=np.int64)
+    for r in range(G):
+        for e in range(E):
+            d_E[e] += d_GE[r, e]
+    frac = np.zeros(E)
+    w_E = np.zeros(E)
+    L_E = np.empty(E)
+    rb_E = np.empty(E)
+    for e in range(E):
+        if d_E[e] > 0:
+            frac[e] = q_E[e] / d_E[e]
+            w_E[e] = 1.0 + bw * frac[e]
+        L_E[e] = d_E[e] + bw * float(q_E[e])
+        rb_E[e] = float(prob[7]) + frac[e] * float(prob[9])
+    cost_G = np.zeros(G)
+    owned_w = np.zeros(G)
+    n_owned = np.zeros(G, dtype=np.int64)
+    for e in range(E):  # np.bincount order: sequential in expert order
+        o = owner_E[e]
+        cost_G[o] += L_E[e]
+        owned_w[o] += d_E[e] * rb_E[e]
+        n_owned[o] += 1
+    mem_G = np.empty(G)
+    d_EG = np.ascontiguousarray(d_GE.T)
+    kept_sent = exact_row_sums(d_EG, frac)  # exactly rounded (math.fsum): every rank computes the same plan
+    pairs_G = np.zeros(G, dtype=np.int64)
+    for r in range(G):
+        sent = 0
+        for e in range(E):
+            sent += d_GE[r, e]
+        pairs_G[r] = sent
+        mem_G[r] = (float(n_owned[r] * prob[5]) + float(prob[6]) * (sent + kept_sent[r]) + float(prob[8] * sent)
+                    + owned_w[r])
+    order_G = _desc_order(cost_G)
+    by_load = _desc_order(L_E)  # every rank's experts by descending weighted load (ties: lower index)
+    mine_ptr = np.zeros(G + 1, dtype=np.int64)
+    for e in range(E):
+        mine_ptr[owner_E[e] + 1] += 1
+    for r in range(G):
+        mine_ptr[r + 1] += mine_ptr[r]
+    fill = mine_ptr[:G].copy()
+    mine_idx = np.empty(E, dtype=np.int64)
+    for k in range(E):
+        e = by_load[k]
+        mine_idx[fill[owner_E[e]]] = e
+        fill[owner_E[e]] += 1
+    top_cost = 0.0
+    for r in range(G):
+        top_cost = max(top_cost, cost_G[r])
+    lo = math.floor(np_sum(cost_G) / G)
+    top = math.ceil(top_cost)
+    over = over_memory_floor(prob, G, d_E.sum(), q_E.sum())
+    return (d_GE, q_E, d_E, w_E, rb_E, cost_G, mem_G, order_G, mine_ptr, mine_idx, lo, top, over,
+            slack_units(prob[13], lo), L_E, d_EG, pairs_G)
+
+
+@njit
+def _shed(r, need, qs, prob, slack, mem, free, left, reps, n, head_E, next_R, stamp, token):
+    """Move rows off rank r until its cost excess ``need`` is gone (and its memory is within the
+    budget); returns (cost excess left, replicas so far, stamp token)."""
+    w_E, rb_E, mine_ptr, mine_idx = qs[3], qs[4], qs[8], qs[9]
+    others_ptr, others_idx, rep_bytes, budget, min_rows = prob[1], prob[2], prob[4], prob[10], prob[12]
+    finite = budget < math.inf
+    for j in range(mine_ptr[r], mine_ptr[r + 1]):
+        e = mine_idx[j]
+        w, rb = w_E[e], rb_E[e]
+        w_min = w - EPS  # the least slack that takes one row
+        token += 1  # stamp[u] == token: u hosts a replica of e already
+        k = head_E[e]
+        while k >= 0:
+            stamp[reps[k, 1]] = token
+            k = next_R[k]
+        while (need > EPS or mem[r] > budget) and left[e] > 0:
+            t, best = -1, -1.0
+            for jj in range(others_ptr[r], others_ptr[r + 1]):  # the first rank with the most slack
+                u = others_idx[jj]
+                if slack[u] > best and free[u] > 0 and slack[u] >= w_min and stamp[u] != token \
+                        and (not finite or mem[u] + rep_bytes + rb <= budget):
+                    t, best = u, slack[u]
+            if t < 0:
+                break
+            want = math.ceil(need / w - EPS)
+            if mem[r] > budget:
+                want = max(want, math.ceil((mem[r] - budget) / rb))
+            else:
+                want = max(want, 0)
+            # a replica carries at least min_rows (lrmoe_plan._greedy says why)
+            x = min(max(want, min_rows), math.floor(slack[t] / w + EPS), left[e])
+            if finite:
+                x = min(x, math.floor((budget - mem[t] - rep_bytes) / rb))
+            if x < min_rows:
+                break
+            reps[n, 0], reps[n, 1], reps[n, 2] = e, t, x
+            next_R[n] = head_E[e]
+            head_E[e] = n
+            n += 1
+            slack[t] -= x * w
+            need -= x * w
+            free[t] -= 1
+            mem[t] += rep_bytes + x * rb
+            mem[r] -= x * rb
+            left[e] -= x
+            stamp[t] = token
+        if need <= EPS and mem[r] <= budget:
+            break
+    return need, n, token
+
+
+@njit
+def greedy(tau, qs, prob, work):
+    """``lrmoe_plan._greedy`` at threshold tau: the number n of replicas written to ``work[0][:n]``
+    (rows: expert, rank, rows), or -1 when the greedy cannot meet tau. ``work``: :func:`workspace`."""
+    d_E, cost_G, mem_G, order_G = qs[2], qs[5], qs[6], qs[7]
+    free_G, budget = prob[3], prob[10]
+    reps, next_R, head_E, stamp, excess, slack, mem, free, left = work
+    prob[14][0] += 1
+    G = cost_G.size
+    ftau = float(tau)
+    for r in range(G):
+        excess[r] = max(cost_G[r] - ftau, 0.0)
+        slack[r] = max(ftau - cost_G[r], 0.0)
+    if np_sum(excess) > np_sum(slack) + EPS:
+        return -1
+    for r in range(G):
+        mem[r] = mem_G[r]
+        free[r] = free_G[r]
+        stamp[r] = -1
+    for e in range(d_E.size):
+        left[e] = d_E[e]  # rows not moved yet
+        head_E[e] = -1  # replicas of each expert (linked through next_R)
+    n, token = 0, 0
+    for i in range(G):
+        r = order_G[i]
+        if excess[r] > EPS:
+            need, n, token = _shed(r, excess[r], qs, prob, slack, mem, free, left, reps, n, head_E, next_R, stamp,
+                                   token)
+            if need > EPS:
+                return -1
+    for i in range(G):
+        r = order_G[i]
+        if mem[r] > budget:
+            need, n, token = _shed(r, 0.0, qs, prob, slack, mem, free, left, reps, n, head_E, next_R, stamp, token)
+    return n
+
+
+@njit
+def workspace(prob):
+    """The greedy's scratch, allocated once per search: the replicas (room for every one the free
+    slots allow), their links per expert, and per-rank / per-expert state."""
+    G, E = prob[3].size, prob[0].size
+    R = prob[3].sum() + 1
+    return (np.empty((R, 3), dtype=np.int64), np.empty(R, dtype=np.int64), np.empty(E, dtype=np.int64),
+            np.empty(G, dtype=np.int64), np.empty(G), np.empty(G), np.empty(G), np.empty(G, dtype=np.int64),
+            np.empty(E, dtype=np.int64))
+
+
+# ----------------------------------------------------------------------------- a candidate plan
+@njit
+def replica_columns(reps, n, d_E, owner_E):
+    """:func:`lrmoe.planning.plan.replica_columns` of ``reps[:n]``: every instance column's expert,
+    rank and rows (owners first, then the replicas by expert, in the greedy's order within one)."""
+    E = d_E.size
+    order = np.argsort(reps[:n, 0], kind="mergesort")
+    N = E + n
+    expert_N = np.empty(N, dtype=np.int64)
+    rank_N = np.empty(N, dtype=np.int64)
+    rows_N = np.empty(N, dtype=np.int64)
+    for e in range(E):
+        expert_N[e], rank_N[e], rows_N[e] = e, owner_E[e], d_E[e]
+    for k in range(n):
+        i = order[k]
+        e = reps[i, 0]
+        expert_N[E + k], rank_N[E + k], rows_N[E + k] = e, reps[i, 1], reps[i, 2]
+        rows_N[e] -= reps[i, 2]
+    return expert_N, rank_N, rows_N
+
+
+@njit
+def locality_split(d_EG, expert_N, rank_N, rows_N):
+    """:func:`lrmoe.planning.plan.locality_split_replicas`, transposed: send [N, G] from the demand
+    [E, G]. Every replica takes the pairs already on its host first, then the rest of its rows by
+    largest remainder over the sources' pairs left (replicas of one expert in column order); the
+    owner (column e) takes what is left."""
+    E, G = d_EG.shape
+    N = expert_N.size
+    send = np.zeros((N, G), dtype=np.int64)
+    send[:E] = d_EG  # experts without replicas: every pair to the owner
+    rem = np.empty(G, dtype=np.int64)
+    alloc = np.empty(G, dtype=np.int64)
+    scratch = np.empty(G, dtype=np.int64)
+    scratch2 = np.empty(G, dtype=np.int64)
+    start = E
+    while start < N:  # the replica columns of one expert: [start, stop)
+        e = expert_N[start]
+        stop = start
+        while stop < N and expert_N[stop] == e:
+            stop += 1
+        rem[:] = d_EG[e]
+        for c in range(start, stop):  # pass 1: pairs already on the host rank
+            r = rank_N[c]
+            take = min(rows_N[c], rem[r])
+            send[c, r] = take
+            rem[r] -= take
+        for c in range(start, stop):  # pass 2: the rest, largest remainder over the sources' pairs
+            largest_remainder_col(rows_N[c] - send[c, rank_N[c]], rem, alloc, scratch, scratch2)
+            for s in range(G):
+                send[c, s] += alloc[s]
+                rem[s] -= alloc[s]
+        send[e] = rem
+        start = stop
+    return send
+
+
+@njit
+def _reverse_edges(n, ptr0, heads0, caps0):
+    """scipy's _add_reverse_edges and _make_edge_pointers: the graph with every edge's reverse (zero
+    capacity where missing), sorted heads per node, and each edge's reverse edge."""
+    m0 = heads0.size
+    # the transpose's rows (sorted by construction: tails in increasing order)
+    tcount = np.zeros(n + 1, dtype=np.int64)
+    for k in range(m0):
+        tcount[heads0[k] + 1] += 1
+    for v in range(n):
+        tcount[v + 1] += tcount[v]
+    tidx = np.empty(m0, dtype=np.int64)
+    fill = tcount[:n].copy()
+    for u in range(n):
+        for k in range(ptr0[u], ptr0[u + 1]):
+            v = heads0[k]
+            tidx[fill[v]] = u
+            fill[v] += 1
+    ptr = np.zeros(n + 1, dtype=np.int64)
+    heads = np.empty(2 * m0, dtype=np.int64)
+    caps = np.zeros(2 * m0, dtype=np.int64)
+    p = 0
+    for u in range(n):
+        a, a_end = ptr0[u], ptr0[u + 1]
+        b, b_end = tcount[u], tcount[u + 1]
+        while a != a_end or b != b_end:
+            move_a = a != a_end and (b == b_end or heads0[a] <= tidx[b])
+            move_b = b != b_end and (a == a_end or tidx[b] <= heads0[a])
+            if move_a:
+                heads[p] = heads0[a]
+                caps[p] = caps0[a]
+                a += 1
+            if move_b:
+                if not move_a:
+                    heads[p] = tidx[b]
+                b += 1
+            p += 1
+        ptr[u + 1] = p
+    heads = heads[:p]
+    caps = caps[:p]
+    rev = np.empty(p, dtype=np.int64)
+    for u in range(n):  # the edge v -> u of every edge u -> v (heads sorted: binary search)
+        for k in range(ptr[u], ptr[u + 1]):
+            v = heads[k]
+            lo, hi = ptr[v], ptr[v + 1]
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if heads[mid] < u:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            rev[k] = lo
+    return ptr, heads, caps, rev
+
+
+@njit
+def dinic_flow(ptr, heads, caps_in, rev, source, sink):
+    """scipy.sparse.csgraph.maximum_flow(method="dinic") on a graph with its reverse edges
+    (:func:`_reverse_edges`): the flow on every edge (the same flow as scipy's, edge by edge)."""
+    n = ptr.size - 1
+    caps = caps_in.copy()
+    flows = np.zeros(heads.size, dtype=np.int64)
+    levels = np.empty(n, dtype=np.int64)
+    progress = np.empty(n, dtype=np.int64)
+    q = np.empty(n, dtype=np.int64)
+    stack_v = np.empty(n, dtype=np.int64)
+    stack_f = np.empty(n, dtype=np.int64)
+    while True:
+        levels[:] = -1
+        q[0] = source
+        start, end = 0, 1
+        levels[source] = 0
+        found = False
+        while start != end:  # level graph (breadth first)
+            cur = q[start]
+            start += 1
+            if cur == sink:
+                found = True
+                break
+            for e in range(ptr[cur], ptr[cur + 1]):
+                v = heads[e]
+                if caps[e] > 0 and levels[v] == -1:
+                    levels[v] = levels[cur] + 1
+                    q[end] = v
+                    end += 1
+        if not found:
+            break
+        for i in range(n):
+            progress[i] = ptr[i]
+        while True:  # augmenting paths in the level graph (depth first)
+            top = 0
+            stack_v[0] = source
+            stack_f[0] = 2147483647
+            augmented = False
+            while True:
+                current = stack_v[top]
+                flow = stack_f[top]
+                e = progress[current]
+                v = heads[e]
+                if caps[e] > 0 and levels[v] == levels[current] + 1:
+                    cf = min(flow, caps[e])
+                    if v == sink:
+                        while top > -1:
+                            e = progress[stack_v[top]]
+                            caps[e] -= cf
+                            caps[rev[e]] += cf
+                            flows[e] += cf
+                            flows[rev[e]] -= cf
+                            top -= 1
+                        augmented = True
+                        break
+                    top += 1
+                    stack_v[top] = v
+                    stack_f[top] = cf
+                else:
+                    dead = False
+                    while progress[current] == ptr[current + 1] - 1:
+                        top -= 1
+                        if top < 0:
+                            dead = True
+                            break
+                        current = stack_v[top]
+                    if dead:
+                        break
+                    progress[current] += 1
+            if not augmented:
+                break
+    return flows
+
+
+@njit
+def instance_quotas(q_E, rows_N, expert_N, rank_N, G, bw, tau):
+    """``lrmoe_plan._instance_quotas_flat``: every instance's kept rows (within 1 of its exact share,
+    largest remainder unless that pushes a rank's executed cost over tau; then the rounding with the
+    smallest executed maximum, by an integral max flow, the same flow as scipy's)."""
+    E = q_E.size
+    N = rows_N.size
+    d_E = np.zeros(E, dtype=np.int64)
+    for i in range(N):
+        d_E[expert_N[i]] += rows_N[i]
+    floors = np.zeros(N, dtype=np.int64)
+    rems = np.zeros(N, dtype=np.int64)
+    fractional = np.zeros(N, dtype=np.bool_)
+    units_E = q_E.copy()
+    for i in range(N):
+        d = d_E[expert_N[i]]
+        if d > 0:
+            p = rows_N[i] * q_E[expert_N[i]]
+            floors[i] = p // d
+            rems[i] = p - floors[i] * d
+            fractional[i] = rems[i] != 0
+        units_E[expert_N[i]] -= floors[i]
+    # largest remainder within every expert (instances in array order; ties: the lower index)
+    exact = floors.copy()
+    total_units = 0
+    for e in range(E):
+        if d_E[e] > 0:
+            total_units += units_E[e]
+    start = 0
+    cols = np.argsort(expert_N, kind="mergesort")
+    while start < N:
+        e = expert_N[cols[start]]
+        stop = start
+        while stop < N and expert_N[cols[stop]] == e:
+            stop += 1
+        if d_E[e] > 0 and units_E[e] > 0:
+            sub = np.empty(stop - start, dtype=np.int64)
+            for k in range(start, stop):
+                sub[k - start] = rems[cols[k]]
+            add = np.zeros(stop - start, dtype=np.int64)
+            _add_top(add, sub, units_E[e])
+            for k in range(start, stop):
+                exact[cols[k]] += add[k - start]
+        start = stop
+    if bw <= 0 or total_units == 0:
+        return exact
+    F_G = np.zeros(G)
+    K_G = np.zeros(G)
+    Kf_G = np.zeros(G)
+    cand_G = np.zeros(G, dtype=np.int64)
+    for i in range(N):
+        F_G[rank_N[i]] += rows_N[i]
+        K_G[rank_N[i]] += exact[i]
+        Kf_G[rank_N[i]] += floors[i]
+        if fractional[i]:
+            cand_G[rank_N[i]] += 1
+    worst = 0.0
+    for r in range(G):
+        worst = max(worst, F_G[r] + bw * K_G[r])
+    if worst <= tau + EPS:
+        return exact
+    base_G = np.empty(G)
+    for r in range(G):
+        base_G[r] = F_G[r] + bw * Kf_G[r]
+
+    # nodes: 0 source, 1..X the experts with units, then the G ranks, then the sink
+    node_E = np.zeros(E, dtype=np.int64)
+    X = 0
+    for e in range(E):
+        if units_E[e] > 0:
+            X += 1
+            node_E[e] = X
+    n_nodes = X + G + 2
+    sink = n_nodes - 1
+    ptr0 = np.zeros(n_nodes + 1, dtype=np.int64)
+    ptr0[1] = X  # source -> every expert node
+    for i in range(N):
+        if fractional[i] and units_E[expert_N[i]] > 0:
+            ptr0[node_E[expert_N[i]] + 1] += 1
+    for r in range(G):
+        ptr0[X + 1 + r + 1] = 1  # rank -> sink
+    for v in range(n_nodes):
+        ptr0[v + 1] += ptr0[v]
+    m0 = ptr0[n_nodes]
+    heads0 = np.empty(m0, dtype=np.int64)
+    caps0 = np.zeros(m0, dtype=np.int64)
+    for x in range(X):
+        heads0[x] = x + 1
+    k = 0
+    for e in range(E):
+        if units_E[e] > 0:
+            caps0[k] = units_E[e]
+            k += 1
+    fill = ptr0[:n_nodes].copy()
+    for i in range(N):  # expert -> rank, in instance order (one instance per rank: sorted below)
+        if fractional[i] and units_E[expert_N[i]] > 0:
+            u = node_E[expert_N[i]]
+            heads0[fill[u]] = X + 1 + rank_N[i]
+            caps0[fill[u]] = 1
+            fill[u] += 1
+    for u in range(1, X + 1):  # heads sorted per row, as scipy's csr_matrix sorts them
+        a, b = ptr0[u], ptr0[u + 1]
+        heads0[a:b] = np.sort(heads0[a:b])
+    cap_pos0 = np.empty(G, dtype=np.int64)
+    for r in range(G):
+        cap_pos0[r] = ptr0[X + 1 + r]
+        heads0[cap_pos0[r]] = sink
+    ptr, heads, caps_t, rev = _reverse_edges(n_nodes, ptr0, heads0, caps0)
+    cap_pos = np.empty(G, dtype=np.int64)
+    for r in range(G):  # rank -> sink is the last edge of a rank node's row
+        cap_pos[r] = ptr[X + 1 + r + 1] - 1
+
+    # the executed maximum is one of base_r + B k: the smallest that admits a flow of every unit
+    bmax = base_G.max()
+    vals = np.empty(int(cand_G.sum()) + G)
+    nv = 0
+    for r in range(G):
+        for kk in range(cand_G[r] + 1):
+            vals[nv] = base_G[r] + bw * kk
+            nv += 1
+    vals = np.sort(vals[:nv])
+    targets = np.empty(nv)
+    nt = 0
+    for j in range(nv):
+        if (j == 0 or vals[j] != vals[j - 1]) and vals[j] >= bmax - EPS:
+            targets[nt] = vals[j]
+            nt += 1
+    lo = -1
+    for j in range(nt):
+        room = 0
+        for r in range(G):
+            room += max(min(math.floor((targets[j] - base_G[r]) / bw + EPS), cand_G[r]), 0)
+        if room >= total_units:
+            lo = j
+            break
+    if lo < 0:
+        lo = nt - 1
+
+    # the first target whose capacities can hold every unit usually admits a flow: tried first,
+    # then binary search above it (feasibility only grows with the target)
+    best = _flow_at(targets[lo], base_G, cand_G, bw, caps_t, cap_pos, ptr, heads, rev, sink)
+    have = _flow_value(best, ptr) == total_units
+    hi = lo if have else nt - 1
+    lo += 0 if have else 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        flows = _flow_at(targets[mid], base_G, cand_G, bw, caps_t, cap_pos, ptr, heads, rev, sink)
+        if _flow_value(flows, ptr) == total_units:
+            hi, best, have = mid, flows, True
+        else:
+            lo = mid + 1
+    if not have:  # the largest target always admits one (every rank uncapped)
+        best = _flow_at(targets[hi], base_G, cand_G, bw, caps_t, cap_pos, ptr, heads, rev, sink)
+    out = floors.copy()
+    for i in range(N):
+        if units_E[expert_N[i]] > 0 and fractional[i]:
+            u = node_E[expert_N[i]]
+            v = X + 1 + rank_N[i]
+            for kk in range(ptr[u], ptr[u + 1]):
+                if heads[kk] == v:
+                    out[i] += best[kk]
+                    break
+    return out
+
+
+@njit
+def _flow_at(target, base_G, cand_G, bw, caps, cap_pos, ptr, heads, rev, sink):
+    """The max flow with every rank -> sink capacity floor((target - base_r) / B) (within [0, cand_r])."""
+    for r in range(base_G.size):
+        caps[cap_pos[r]] = max(min(math.floor((target - base_G[r]) / bw + EPS), cand_G[r]), 0)
+    return dinic_flow(ptr, heads, caps, rev, 0, sink)
+
+
+@njit
+def _flow_value(flows, ptr):
+    value = 0
+    for k in range(ptr[0], ptr[1]):  # out of the source (node 0)
+        value += flows[k]
+    return value
+
+
+@njit
+def quota_matrix(kept_N, send):
+    """:func:`lrmoe.planning.plan.largest_remainder_cols` (kept_N, send), transposed: backward quotas
+    [N, G] from send [N, G]."""
+    N, G = send.shape
+    quota = np.empty((N, G), dtype=np.int64)
+    rem = np.empty(G, dtype=np.int64)
+    buf = np.empty(G, dtype=np.int64)
+    for c in range(N):
+        largest_remainder_col(kept_N[c], send[c], quota[c], rem, buf)
+    return quota
+
+
+@njit
+def plan_memory(prob, G, E, rank_N, send, quota, pairs_G):
+    """:func:`lrmoe.planning.memory.plan_memory` of a layout whose first E instances are the owners
+    (the rest replicas), from send and quota transposed ([N, G]): (base_G, replicas_G, dispatch_G,
+    saved_G, backward_G), int64."""
+    N = rank_N.size
+    base = np.zeros(G, dtype=np.int64)
+    reps = np.zeros(G, dtype=np.int64)
+    sent = np.zeros(G, dtype=np.int64)
+    recv = np.zeros(G, dtype=np.int64)
+    kept_recv = np.zeros(G, dtype=np.int64)
+    for c in range(N):
+        r = rank_N[c]
+        if c < E:
+            base[r] += prob[5]
+        else:
+            reps[r] += int(prob[4])
+        rows, kept = 0, 0
+        for s in range(G):
+            rows += send[c, s]
+            kept += quota[c, s]
+            sent[s] += send[c, s] + quota[c, s]
+        recv[r] += rows
+        kept_recv[r] += kept
+    dispatch = prob[6] * sent
+    saved = prob[7] * recv + prob[8] * pairs_G
+    backward = prob[9] * kept_recv
+    return base, reps, dispatch, saved, backward
+
+
+@njit
+def candidate(tau, qs, prob, work, n):
+    """``lrmoe_plan._candidate`` of the greedy's replicas ``work[0][:n]`` at tau: (expert_N, rank_N,
+    send [N, G], quota [N, G] (transposed), memory tuple, peak)."""
+    q_E, d_E, d_EG, pairs_G = qs[1], qs[2], qs[15], qs[16]
+    E, G = d_EG.shape
+    expert_N, rank_N, rows_N = replica_columns(work[0], n, d_E, prob[0])
+    send = locality_split(d_EG, expert_N, rank_N, rows_N)
+    kept_N = instance_quotas(q_E, rows_N, expert_N, rank_N, G, prob[11], float(tau))
+    quota = quota_matrix(kept_N, send)
+    mem = plan_memory(prob, G, E, rank_N, send, quota, pairs_G)
+    peak = 0
+    for r in range(G):
+        peak = max(peak, mem[0][r] + mem[1][r] + mem[2][r] + mem[3][r] + mem[4][r])
+    return expert_N, rank_N, send, quota, mem, peak
+
+
+@njit
+def candidate_fits(tau, qs, prob, work):
+    """1 when the candidate at tau fits the budget, 0 when it does not, -1 when the greedy fails."""
+    n = greedy(tau, qs, prob, work)
+    if n < 0:
+        return -1
+    peak = candidate(tau, qs, prob, work, n)[5]
+    return 1 if peak <= prob[10] else 0
+
+
+@njit
+def threshold(qs, prob, work):
+    """The smallest integer threshold the greedy meets (``_QuotaSearch.threshold``)."""
+    lo, hi, slack = qs[10], qs[11], qs[13]
+    while hi - lo >= slack:
+        mid = (lo + hi) // 2
+        if greedy(mid, qs, prob, work) >= 0:
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
+
+
+@njit
+def search_fits(qs, prob, work, top_first, thr):
+    """``_QuotaSearch.fits``: whether the plan of these quotas fits. ``thr``: the threshold when known
+    (else -1). Returns (fits, the threshold or -1 when not computed, whether the candidate at the
+    threshold is known to fit: the plan is then that candidate)."""
+    if not prob[10] < math.inf:  # every candidate fits: the plan is the one at the threshold
+        return True, threshold(qs, prob, work) if thr < 0 else thr, True
+    if qs[12]:
+        return False, thr, False
+    if not top_first:
+        thr = threshold(qs, prob, work) if thr < 0 else thr
+        if candidate_fits(thr, qs, prob, work) == 1:
+            return True, thr, True
+        if candidate_fits(qs[11], qs, prob, work) == 1:
+            return True, thr, False
+        return False, thr, False
+    if candidate_fits(qs[11], qs, prob, work) == 1:
+        return True, thr, False
+    thr = threshold(qs, prob, work) if thr < 0 else thr
+    fit = candidate_fits(thr, qs, prob, work) == 1
+    return fit, thr, fit
+
+
+@njit
+def search_tau(qs, prob, work, thr, thr_fits):
+    """``_QuotaSearch._search``: the threshold of the plan returned for these quotas (the cost-optimal
+    one, or when that one is over the budget, the smallest higher one that fits, if any).
+    ``thr_fits``: the candidate at the cost-optimal threshold ``thr`` is known to fit."""
+    hi, top, slack = thr, qs[11], qs[13]
+    if thr_fits or not prob[10] < math.inf or candidate_fits(hi, qs, prob, work) == 1:
+        return hi
+    if hi == top or candidate_fits(top, qs, prob, work) != 1:
+        return hi
+    bad, step, found = hi, 1, -1
+    while bad < top and found < 0:
+        tau = min(bad + step, top)
+        if candidate_fits(tau, qs, prob, work) == 1:
+            found = tau
+        else:
+            bad, step = tau, 2 * step
+    if found < 0:
+        return hi
+    good = found
+    while good - bad > slack:
+        mid = (bad + good) // 2
+        if candidate_fits(mid, qs, prob, work) == 1:
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
+# ----------------------------------------------------------------------------- the kept-pair search
+@njit
+def keep_search(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep):
+    """The kept-pair search of one demand piece with a built-in quota policy (``plan_lrmoe``'s
+    keep_search): (n_keep, its quotas' threshold or -1, whether the candidate there is known to fit,
+    quota status); n_keep -1 when even lo_keep does not fit. ``num / den``: the kept fraction of the
+    drop ratio (hi_keep is its own n_keep)."""
+    d_E = d_GE.sum(0)
+    work = workspace(prob)
+    # hi_keep first, the cost-optimal candidate first (it usually fits)
+    fit, thr, thr_fits, bad = _fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, hi_keep, False)
+    if bad != QUOTA_OK or fit:
+        return (hi_keep if fit else -1), thr, thr_fits, bad
+    fit, thr, thr_fits, bad = _fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, lo_keep, True)
+    if bad != QUOTA_OK or not fit:
+        return -1, -1, False, bad
+    slack = slack_units(prob[13], d_E.sum())
+    while hi_keep - lo_keep > slack:  # lo_keep fits, hi_keep does not
+        mid = (lo_keep + hi_keep) // 2
+        fit, t, t_fits, bad = _fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, mid, True)
+        if bad != QUOTA_OK:
+            return -1, -1, False, bad
+        if fit:
+            lo_keep, thr, thr_fits = mid, t, t_fits
+        else:
+            hi_keep = mid
+    return lo_keep, thr, thr_fits, QUOTA_OK
+
+
+@njit
+def _fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, n_keep, top_first):
+    """Whether the plan keeping n_keep pairs fits (``plan_lrmoe``'s fits_keep): the floor test from the
+    pair counts first, then the quotas' search (:func:`search_fits`), plus the quota status."""
+    P = d_E.sum()
+    if over_memory_floor(prob, d_GE.shape[0], P, min(n_keep, P)):
+        return False, -1, False, QUOTA_OK
+    q_E = quota(d_E, n_keep, policy, min_keep, num, den, n_keep == hi_keep)
+    bad = quota_status(d_E, q_E, min(n_keep, P))
+    if bad != QUOTA_OK:
+        return False, -1, False, bad
+    fit, thr, thr_fits = search_fits(search_setup(d_GE, q_E, prob), prob, work, top_first, -1)
+    return fit, thr, thr_fits, QUOTA_OK
+
+
+@njit
+def quota_result(d_GE, q_E, prob, thr, thr_fits):
+    """The plan of quotas q_E (``_QuotaSearch.result``): (tau, threshold_cost, expert_N, rank_N, slot_N,
+    send, quota, memory tuple, peak). ``thr``: the cost-optimal threshold when known, else -1;
+    ``thr_fits``: the candidate there is known to fit."""
+    G, E = d_GE.shape
+    qs = search_setup(d_GE, q_E, prob)
+    work = workspace(prob)
+    if thr < 0:
+        thr, thr_fits = threshold(qs, prob, work), False
+    tau = search_tau(qs, prob, work, thr, thr_fits)
+    n = greedy(tau, qs, prob, work)
+    expert_N, rank_N, send, quota, mem, peak = candidate(tau, qs, prob, work, n)
+    return (tau, thr, expert_N, rank_N, _slots(expert_N, rank_N, G, E), np.ascontiguousarray(send.T),
+            np.ascontiguousarray(quota.T), mem, peak)
+
+
+@njit
+def _slots(expert_N, rank_N, G, E):
+    """Owners in slot e % (E/G), every rank's replicas in the slots after its owned ones, in column order."""
+    epr = E // G
+    used = np.full(G, epr, dtype=np.int64)
+    slot_N = np.empty(expert_N.size, dtype=np.int64)
+    for c in range(expert_N.size):
+        if c < E:
+            slot_N[c] = c % epr
+        else:
+            slot_N[c] = used[rank_N[c]]
+            used[rank_N[c]] += 1
+    return slot_N
+
+
+@njit
+def piece_result(d_GE, prob, policy, min_keep, num, den, n_keep, hi_keep, thr, thr_fits):
+    """:func:`quota_result` of a built-in policy's quotas for n_keep: (quotas, quota status, result)."""
+    d_E = d_GE.sum(0)
+    q_E = quota(d_E, n_keep, policy, min_keep, num, den, n_keep == hi_keep)
+    bad = quota_status(d_E, q_E, min(n_keep, d_E.sum()))
+    return q_E, bad, quota_result(d_GE, q_E, prob, thr, thr_fits)
+
+
+@njit
+def plan_piece(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep):
+    """The kept-pair search and the plan of one demand piece with a built-in quota policy, in one call:
+    (n_keep or -1, quotas, quota status, :func:`quota_result`); with n_keep -1 the plan is hi_keep's.
+
+    The usual case first, without pressure: hi_keep's quotas, their cost-optimal candidate fits (the
+    kept-pair search's first probe), and that candidate is the plan (built once)."""
+    G, E = d_GE.shape
+    d_E = d_GE.sum(0)
+    P = d_E.sum()
+    if not over_memory_floor(prob, G, P, min(hi_keep, P)):
+        q_E = quota(d_E, hi_keep, policy, min_keep, num, den, True)
+        bad = quota_status(d_E, q_E, min(hi_keep, P))
+        if bad != QUOTA_OK:
+            return -1, q_E, bad, _empty_result(G, E)
+        qs = search_setup(d_GE, q_E, prob)
+        work = workspace(prob)
+        thr = threshold(qs, prob, work)
+        n = greedy(thr, qs, prob, work)
+        expert_N, rank_N, send, quota_NG, mem, peak = candidate(thr, qs, prob, work, n)
+        if peak <= prob[10]:
+            return hi_keep, q_E, QUOTA_OK, (thr, thr, expert_N, rank_N, _slots(expert_N, rank_N, G, E),
+                                            np.ascontiguousarray(send.T), np.ascontiguousarray(quota_NG.T), mem, peak)
+    n_keep, thr, thr_fits, bad = keep_search(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep)
+    use = hi_keep if n_keep < 0 else n_keep
+    q_E, bad2, result = piece_result(d_GE, prob, policy, min_keep, num, den, use, hi_keep,
+                                     thr if n_keep >= 0 else -1, thr_fits and n_keep >= 0)
+    return n_keep, q_E, max(bad, bad2), result
+
+
+@njit
+def _empty_result(G, E):
+    z = np.zeros(0, dtype=np.int64)
+    zg = np.zeros(G, dtype=np.int64)
+    return (0, 0, z, z, z, np.zeros((G, 0), dtype=np.int64), np.zeros((G, 0), dtype=np.int64),
+            (zg, zg, zg, zg, zg), 0)
+
+
+@njit
+def quota_search_fits(d_GE, q_E, prob, top_first):
+    """``_QuotaSearch(d_GE, q_E).fits(top_first)`` for quotas from Python: (fits, threshold or -1,
+    whether the candidate there is known to fit)."""
+    qs = search_setup(d_GE, q_E, prob)
+    return search_fits(qs, prob, workspace(prob), top_first, -1)
+
+
+@njit
+def check_plan(d_GE, expert_N, rank_N, slot_N, is_rep_N, send, quota):
+    """:meth:`lrmoe.planning.plan.Plan.check` on the arrays: (error code, dropped_GE); code 0 when the
+    plan is consistent (1 bad instance, 2 taken slot, 3 expert without instance or two owners,
+    4 negative send or dropped counts, 5 quota outside [0, send])."""
+    G, E = d_GE.shape
+    N = expert_N.size
+    dropped = d_GE.copy()
+    for c in range(N):
+        e = expert_N[c]
+        if not (0 <= e < E and 0 <= rank_N[c] < G and slot_N[c] >= 0):
+            return 1, dropped
+    S = slot_N.max() + 1 if N else 1
+    taken = np.zeros((G, S), dtype=np.bool_)
+    for c in range(N):
+        if taken[rank_N[c], slot_N[c]]:
+            return 2, dropped
+        taken[rank_N[c], slot_N[c]] = True
+    count = np.zeros(E, dtype=np.int64)
+    owners = np.zeros(E, dtype=np.int64)
+    for c in range(N):
+        count[expert_N[c]] += 1
+        if not is_rep_N[c]:
+            owners[expert_N[c]] += 1
+    for e in range(E):
+        if count[e] < 1 or owners[e] > 1:
+            return 3, dropped
+    low_send, low_quota, low_gap = 0, 0, 0  # branch-free minima (vectorised)
+    for s in range(G):
+        for c in range(N):
+            low_send = min(low_send, send[s, c])
+            low_quota = min(low_quota, quota[s, c])
+            low_gap = min(low_gap, send[s, c] - quota[s, c])
+    if low_send < 0:
+        return 4, dropped
+    if low_quota < 0 or low_gap < 0:
+        return 5, dropped
+    for s in range(G):
+        for c in range(N):
+            dropped[s, expert_N[c]] -= send[s, c]
+    low = 0
+    for s in range(G):
+        for e in range(E):
+            low = min(low, dropped[s, e])
+    return (4 if low < 0 else 0), dropped
+
+
+# ----------------------------------------------------------------------------- baseline selection quotas
+@njit
+def selection_quota_matrix(q_E, expert_N, rows_N, send):
+    """:func:`lrmoe.planning.selection.selection_quotas`' split: q_e over expert e's instances in
+    proportion to their rows, then each instance's share over its sources in proportion to the pairs
+    each sent (largest remainder both times, instances in column order): quota [G, N]."""
+    G, N = send.shape
+    quota = np.zeros((G, N), dtype=np.int64)
+    order = np.argsort(expert_N, kind="mergesort")
+    w = np.empty(G, dtype=np.int64)
+    out = np.empty(G, dtype=np.int64)
+    rem = np.empty(max(G, N), dtype=np.int64)
+    buf = np.empty(max(G, N), dtype=np.int64)
+    start = 0
+    while start < N:
+        e = expert_N[order[start]]
+        stop = start
+        while stop < N and expert_N[order[stop]] == e:
+            stop += 1
+        if q_E[e] != 0:
+            m = stop - start
+            rows = np.empty(m, dtype=np.int64)
+            share = np.empty(m, dtype=np.int64)
+            for k in range(m):
+                rows[k] = rows_N[order[start + k]]
+            largest_remainder_col(q_E[e], rows, share, rem[:m], buf[:m])
+            for k in range(m):
+                c = order[start + k]
+                for s in range(G):
+                    w[s] = send[s, c]
+                largest_remainder_col(share[k], w, out, rem[:G], buf[:G])
+                for s in range(G):
+                    quota[s, c] = out[s]
+        start = stop
+    return quota

@@ -1,0 +1,310 @@
+"""The compiled LRMoE planner (lrmoe.planning.lrmoe_jit) against plain Python on fresh random inputs:
+its float reductions against numpy's sum and math.fsum, its quota policies against
+lrmoe.planning.quota, its max flow against scipy's (edge by edge), its instance quotas and greedy
+against the frozen reference's, and whole plans against the frozen reference planner, edge cases
+included (empty experts, all-zero demand, one hot expert, one token, odd sizes, one rank, no
+replica slots, a replica floor, memory pressure down to the split fallback)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import maximum_flow
+
+from lrmoe.planning import Cluster, ModelDims
+from lrmoe.planning import lrmoe_jit as K
+from lrmoe.planning import lrmoe_plan as L
+from lrmoe.planning.policies import plan_placement
+from lrmoe.planning.quota import (keep_fraction, proportional_quota, register_quota_policy, retained_total,
+                                  unregister_quota_policy, waterfill_quota)
+from lrmoe.planning.reference import lrmoe_plan as R
+from lrmoe.planning.reference import reference_plan
+
+
+# ----------------------------------------------------------------------------- float reductions
+def float_arrays(rng, count):
+    """Random arrays of every kind the planner sums, and some it never does (signs, cancellation,
+    wide exponents, ties at a rounding boundary)."""
+    for k in range(count):
+        n = int(rng.integers(0, 300))
+        kind = k % 5
+        if kind == 0:
+            yield rng.integers(0, 5000, n) * (rng.integers(0, 1000, n) / rng.integers(1, 1000, n))
+        elif kind == 1:
+            yield rng.standard_normal(n) * 10.0 ** rng.integers(-20, 20, n)
+        elif kind == 2:  # cancellation: the sum is far smaller than its terms
+            a = rng.standard_normal(n) * 1e16
+            yield np.r_[a, -a[::-1], rng.standard_normal(3)]
+        elif kind == 3:  # 1 + 2^-53 ties: half-even rounding across partials
+            yield np.r_[np.ones(n % 7), np.full(n % 5, 2.0 ** -53), [1e-16, 1.0, 1e16][: n % 4]]
+        else:
+            yield rng.integers(0, 50, n).astype(np.float64)
+
+
+def test_np_sum_is_numpys_pairwise_sum():
+    rng = np.random.default_rng(0)
+    for a in float_arrays(rng, 600):
+        assert K.np_sum(a) == a.sum(), a.size
+    for n in (127, 128, 129, 1000, 8191, 8192, 8193, 20000):  # block and split boundaries
+        a = rng.standard_normal(n) * 10.0 ** rng.integers(-8, 8, n)
+        assert K.np_sum(a) == a.sum(), n
+
+
+def test_exact_sums_are_math_fsum():
+    rng = np.random.default_rng(1)
+    for a in float_arrays(rng, 1500):
+        want = math.fsum(a.tolist())
+        assert K.fsum(a) == want and K.exact_sum(a) == want, a.tolist()[:8]
+    for _ in range(200):  # the planner's rows: d_GE[r] * frac_E, all ranks at once
+        G, E = int(rng.integers(1, 70)), int(rng.integers(1, 200))
+        d = rng.integers(0, 3000, (G, E))
+        frac = np.where(rng.random(E) < 0.3, 1.0, rng.integers(0, 997, E) / rng.integers(1, 997, E))
+        got = K.exact_row_sums(np.ascontiguousarray(d.T), frac)
+        assert got.tolist() == [math.fsum((d[r] * frac).tolist()) for r in range(G)]
+
+
+# ----------------------------------------------------------------------------- quota policies
+def demands(rng, count):
+    """Per-expert demands: random, empty experts, one hot expert, one token, all zero, odd sizes."""
+    for k in range(count):
+        E = int(rng.integers(1, 40))
+        d = rng.integers(0, 500, E)
+        kind = k % 6
+        if kind == 1:
+            d[rng.random(E) < 0.5] = 0
+        elif kind == 2:
+            d[int(rng.integers(E))] += 20000
+        elif kind == 3:
+            d[:] = 0
+            d[int(rng.integers(E))] = 1
+        elif kind == 4:
+            d[:] = 0
+        yield d.astype(np.int64)
+
+
+@pytest.mark.parametrize("rho", (0.0, 0.1, 0.2, 1 / 3, 0.5, 0.9))
+def test_compiled_quotas_equal_the_numpy_policies(rho):
+    rng = np.random.default_rng(int(rho * 1000))
+    keep = keep_fraction(rho)
+    for d in demands(rng, 120):
+        P = int(d.sum())
+        for n_keep in {retained_total(P, rho), int(rng.integers(0, P + 1)), 0, P}:
+            exact = n_keep == retained_total(P, rho)
+            for min_keep in (0, 1, 7):
+                want = waterfill_quota(d, n_keep, min_keep=min_keep) if n_keep < P else d
+                got = K.quota(d, n_keep, K.WATERFILL, min_keep, keep.numerator, keep.denominator, exact)
+                np.testing.assert_array_equal(got, want)
+            want = (proportional_quota(d, n_keep, drop_ratio=rho if exact else None) if n_keep < P else d)
+            got = K.quota(d, n_keep, K.PROPORTIONAL, 0, keep.numerator, keep.denominator, exact)
+            np.testing.assert_array_equal(got, want)
+            assert K.quota_status(d, got, n_keep) == K.QUOTA_OK
+
+
+def test_quota_status_refuses_a_broken_quota():
+    d = np.array([3, 4, 5])
+    assert K.quota_status(d, np.array([3, 4, 5]), 12) == K.QUOTA_OK
+    for q, n in (([4, 4, 4], 12), ([-1, 4, 5], 8), ([3, 4, 4], 12)):
+        assert K.quota_status(d, np.array(q), n) == K.QUOTA_BAD
+
+
+def test_largest_remainder_selection_is_a_stable_sort():
+    """The quickselect picks the same entries as a stable argsort of the remainders (ties: lower index)."""
+    rng = np.random.default_rng(4)
+    for _ in range(3000):
+        n = int(rng.integers(1, 90))
+        rem = rng.integers(0, int(rng.integers(1, 6)), n)
+        k = int(rng.integers(0, n + 2))
+        out = np.zeros(n, dtype=np.int64)
+        K._add_top(out, rem, k)
+        want = np.zeros(n, dtype=np.int64)
+        want[np.argsort(-rem, kind="stable")[:k]] = 1
+        np.testing.assert_array_equal(out, want)
+
+
+# ----------------------------------------------------------------------------- max flow and instance quotas
+def test_dinic_flow_is_scipys_edge_by_edge():
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        n = int(rng.integers(2, 14))
+        dense = rng.integers(0, 4, (n, n)) * (rng.random((n, n)) < 0.4)
+        np.fill_diagonal(dense, 0)
+        dense[rng.random((n, n)) < 0.1] = 0
+        graph = csr_matrix(dense.astype(np.int32))
+        graph.sort_indices()
+        src, sink = 0, n - 1
+        want = maximum_flow(graph, src, sink)
+        ptr, heads, caps, rev = K._reverse_edges(n, graph.indptr.astype(np.int64), graph.indices.astype(np.int64),
+                                                 graph.data.astype(np.int64))
+        flows = K.dinic_flow(ptr, heads, caps, rev, src, sink)
+        got = csr_matrix((flows, heads, ptr), shape=(n, n)).toarray()
+        np.testing.assert_array_equal(got, want.flow.toarray())
+
+
+def random_layout(rng, G, E):
+    """Owners (e // (E/G)) then up to 3 replicas per expert on distinct other ranks, with rows."""
+    epr = E // G
+    d = rng.integers(0, 40, E)
+    d[rng.random(E) < 0.2] = 0
+    expert, rank, rows = list(range(E)), [e // epr for e in range(E)], []
+    reps = []
+    for e in range(E):
+        others = [r for r in range(G) if r != e // epr]
+        for t in rng.permutation(others)[: int(rng.integers(0, min(3, len(others)) + 1))]:
+            reps.append((e, int(t)))
+    rows_E = [[] for _ in range(E)]
+    for e in range(E):
+        k = 1 + sum(1 for x, _ in reps if x == e)
+        cuts = np.sort(rng.integers(0, d[e] + 1, k - 1))
+        rows_E[e] = np.diff(np.r_[0, cuts, d[e]]).tolist()
+    rows = [rows_E[e][0] for e in range(E)]
+    seen = [1] * E
+    for e, t in sorted(reps, key=lambda x: x[0]):
+        expert.append(e)
+        rank.append(t)
+        rows.append(rows_E[e][seen[e]])
+        seen[e] += 1
+    return np.array(expert), np.array(rank), np.array(rows, dtype=np.int64), d
+
+
+def test_instance_quotas_equal_the_reference_and_use_the_flow():
+    """Small demands, large drops and thresholds at the exact cost make the max flow decide often."""
+    rng = np.random.default_rng(6)
+    flows = 0
+    for _ in range(400):
+        G = int(rng.integers(1, 7))
+        E = G * int(rng.integers(1, 4))
+        expert_N, rank_N, rows_N, d_E = random_layout(rng, G, E)
+        q_E = np.array([int(rng.integers(0, x + 1)) for x in d_E])
+        cols_E = [np.flatnonzero(expert_N == e) for e in range(E)]
+        F = np.bincount(rank_N, weights=rows_N, minlength=G)
+        shares = np.bincount(rank_N, weights=rows_N * q_E[expert_N] / np.maximum(d_E[expert_N], 1), minlength=G)
+        for bw in (0.0, 1.0, 2.0):
+            for tau in (math.floor((F + bw * shares).max(initial=0)), 0.0, math.inf):
+                want = R._instance_quotas(q_E, [rows_N[c] for c in cols_E], [rank_N[c] for c in cols_E], G, bw, tau)
+                got = L._instance_quotas_flat(q_E, rows_N, expert_N, rank_N, G, bw, tau)
+                for c, k in zip(cols_E, want):
+                    np.testing.assert_array_equal(got[c], k)
+                largest = np.concatenate(want + [np.zeros(0)]) if want else np.zeros(0)
+                flows += bool(bw and (F + bw * np.bincount(rank_N[np.concatenate(cols_E)], weights=largest,
+                                                            minlength=G)).max(initial=0) > tau)
+    assert flows > 20  # the cases exercised the flow, not only largest remainder
+
+
+# ----------------------------------------------------------------------------- whole plans
+def case(rng, kind):
+    """(cluster, dims, demand) of one random planning case; odd sizes and edge cases by kind."""
+    G = int(rng.choice([1, 2, 3, 4, 5, 8]))
+    E = G * int(rng.integers(1, 4))
+    domains = None
+    if G >= 4 and rng.random() < 0.5:
+        domains = (tuple(range(G // 2)), tuple(range(G // 2, G)))
+    cl = Cluster(num_ranks=G, slots_per_rank=E // G + int(rng.integers(0, 4)), fast_domains=domains)
+    dims = ModelDims(hidden=int(rng.choice([8, 24, 64])), intermediate=int(rng.choice([4, 12, 32])),
+                     num_experts=E, top_k=min(2, E), optimizer_bytes_per_param=int(rng.choice([0, 12])))
+    d = rng.poisson(np.exp(rng.normal(0, 1, E)) * rng.integers(1, 60), (G, E))
+    if kind == "empty_experts":
+        d[:, rng.random(E) < 0.5] = 0
+    elif kind == "hot_expert":
+        d[:, int(rng.integers(E))] += rng.integers(100, 2000, G)
+    elif kind == "one_token":
+        d[:] = 0
+        d[int(rng.integers(G)), rng.permutation(E)[: min(2, E)]] = 1
+    elif kind == "zero":
+        d[:] = 0
+    elif kind == "zero_rank":
+        d[int(rng.integers(G))] = 0
+    return cl, dims, d
+
+
+def same(live, ref, where):
+    for a in ("send_GN", "backward_quota_GN", "dropped_GE", "demand_GE"):
+        np.testing.assert_array_equal(getattr(live, a), getattr(ref, a), err_msg=f"{where}: {a}")
+    assert live.instances == ref.instances, where
+    for f in ("base_G", "replicas_G", "dispatch_G", "saved_G", "backward_G"):
+        np.testing.assert_array_equal(getattr(live.memory, f), getattr(ref.memory, f), err_msg=f"{where}: {f}")
+    assert (live.fallback, live.num_splits, live.over_budget) == (ref.fallback, ref.num_splits, ref.over_budget), where
+    # the reference has no tolerance option
+    info, ref_info = ({k: v for k, v in p.info.items() if k != "search_tolerance"} for p in (live, ref))
+    assert info.keys() == ref_info.keys(), where
+    for k in info:
+        assert np.array_equal(info[k], ref_info[k]), (where, k, info[k], ref_info[k])
+
+
+KINDS = ("random", "empty_experts", "hot_expert", "one_token", "zero", "zero_rank")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_compiled_plans_equal_the_reference(kind):
+    """Fresh random cases, every budget from none to hopeless, both quota policies and a floor,
+    replica slots and min_rows varied: the compiled planner's plans are the reference's, field by field."""
+    rng = np.random.default_rng(list(KINDS).index(kind) + 900)
+    pressured = 0
+    for i in range(10):
+        cl, dims, d = case(rng, kind)
+        R_max = cl.slots_per_rank - dims.num_experts // cl.num_ranks
+        opts = {"drop_ratio": float(rng.choice([0.0, 0.2, 0.5])),
+                "quota_policy": str(rng.choice(["waterfill", "proportional"])),
+                "replica_slots": int(rng.integers(0, R_max + 1)), "min_rows": int(rng.choice([1, 1, 5]))}
+        if opts["quota_policy"] == "waterfill" and i % 3 == 0:
+            opts["quota_options"] = {"min_keep": 3}
+        peak = reference_plan("lrmoe", d, cl, dims, math.inf, **opts).memory.peak
+        for frac in (None, 0.95, 0.8, 0.6, 0.3):
+            budget = math.inf if frac is None else max(frac * peak, 1.0)
+            ref = reference_plan("lrmoe", d, cl, dims, budget, **opts)
+            live = plan_placement("lrmoe", d, cl, dims, budget, **opts)
+            same(live, ref, f"{kind} case {i} budget {frac} {opts}")
+            pressured += ref.fallback != "none"
+    if kind not in ("zero", "one_token"):
+        assert pressured >= 5  # the budgets exercised the kept-pair search and the split fallback
+
+
+def test_user_quota_policy_takes_the_python_kept_pair_search():
+    """A quota policy the compiled code does not know (registered by the user) gives its quotas from
+    Python; the searches are the same, so a copy of waterfill plans exactly as waterfill."""
+    register_quota_policy("waterfill_copy", lambda demand_E, n_keep: waterfill_quota(demand_E, n_keep))
+    try:
+        rng = np.random.default_rng(11)
+        for i in range(6):
+            cl, dims, d = case(rng, "hot_expert" if i % 2 else "random")
+            peak = plan_placement("lrmoe", d, cl, dims, math.inf, drop_ratio=0.2).memory.peak
+            for frac in (None, 0.8, 0.5):
+                budget = math.inf if frac is None else frac * peak
+                a = plan_placement("lrmoe", d, cl, dims, budget, drop_ratio=0.2)
+                b = plan_placement("lrmoe", d, cl, dims, budget, drop_ratio=0.2, quota_policy="waterfill_copy")
+                b = type(b)(**{**b.__dict__, "info": {**b.info, "quota_policy": "waterfill"}})
+                same(b, a, f"case {i} budget {frac}")
+    finally:
+        unregister_quota_policy("waterfill_copy")
+
+
+def test_greedy_at_thresholds_with_one_rank_and_no_slots():
+    """Edge layouts of the greedy: one rank (no receiver), no replica slot, every expert empty."""
+    for G, E, S, zero in ((1, 3, 5, False), (3, 9, 3, False), (2, 4, 4, True)):
+        cl = Cluster(num_ranks=G, slots_per_rank=S)
+        dims = ModelDims(hidden=16, intermediate=8, num_experts=E, top_k=1)
+        d = np.zeros((G, E), dtype=np.int64) if zero else np.arange(G * E).reshape(G, E) ** 2
+        q = L._quota(d.sum(0), int(0.8 * d.sum()), "waterfill", {}, 0.2)
+        kw = dict(free_G=np.full(G, S - E // G), owner_E=np.arange(E) // (E // G), backward_weight=2.0, min_rows=1,
+                  info={})
+        s = L._QuotaSearch(d, q, cl, dims, math.inf, **kw)
+        for tau in range(s.lo, s.top + 1, max(1, (s.top - s.lo) // 20)):
+            assert L._greedy(tau, *s.args, context=s.context) == R._greedy(tau, *s.args)
+
+
+@pytest.mark.parametrize("name", ("fixed", "symi", "ultraep", "ultraep_greedy"))
+def test_compiled_selection_quotas_equal_the_plain_loop(name):
+    """Baseline plans' selective-backward quotas: the compiled split against its plain loop."""
+    from lrmoe.planning.selection import selection_quota_matrix_py, selection_quotas
+    rng = np.random.default_rng(20 + len(name))
+    for i in range(12):
+        cl, dims, d = case(rng, KINDS[i % len(KINDS)])
+        if dims.num_experts % cl.num_ranks or (name == "symi" and cl.slots_per_rank * cl.num_ranks < dims.num_experts):
+            continue
+        plan = plan_placement(name, d, cl, dims, math.inf)
+        for rho in (0.0, 0.3, 0.7):
+            got = selection_quotas(plan, dims, rho, "waterfill")
+            q_E = got.info["quota_E"]
+            want = selection_quota_matrix_py(q_E, plan.expert_N, plan.rows_N, plan.send_GN)
+            np.testing.assert_array_equal(got.backward_quota_GN, want)
