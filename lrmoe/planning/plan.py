@@ -971,6 +971,28 @@ def assemble(demand_GE, send_GN, quota_GN, same, expert_N, rank_N, slot_N, is_re
     return dropped, base, reps, dispatch, saved, backward, peak, 0
 
 
+@njit
+def keep_all_peak(demand_GE, send_GN, rank_N, is_replica_N, consts):
+    """The memory peak of the plan that sends ``send_GN`` and keeps every pair sent (what
+    :func:`make_plan` would report), without assembling it: the budget fallbacks' probes."""
+    G, N = send_GN.shape
+    sent_G = np.zeros(G, np.int64)
+    recv_N = np.zeros(N, np.int64)
+    pairs_G = np.zeros(G, np.int64)
+    for g in range(G):
+        acc = 0
+        for n in range(N):
+            v = send_GN[g, n]
+            acc += v
+            recv_N[n] += v
+        sent_G[g] = acc
+        p = 0
+        for e in range(demand_GE.shape[1]):
+            p += demand_GE[g, e]
+        pairs_G[g] = p
+    return memory_from_counts(rank_N, is_replica_N, recv_N, recv_N, sent_G, sent_G, pairs_G, G, consts)[5]
+
+
 def make_plan(policy: str, demand_GE, cluster: Cluster, dims: ModelDims, budget_bytes: float, instances,
               send_GN, backward_quota_GN=None, *, optimizer_on_gpu: bool = True, info: dict | None = None,
               state: Any = None) -> Plan:
