@@ -23,8 +23,8 @@ import numpy as np
 
 from lrmoe.planning.jit import njit
 from lrmoe.planning.memory import memory_constants
-from lrmoe.planning.plan import (Instance, Instances, cap_rows_kernel, keep_all_peak, make_plan, prefix_split_kernel,
-                                 resolve_budget)
+from lrmoe.planning.plan import (Instance, Instances, cap_rows_kernel, heap_pop, heap_push, keep_all_peak, make_plan,
+                                 prefix_split_kernel, resolve_budget)
 
 
 @dataclass(frozen=True)
@@ -32,52 +32,6 @@ class SymiState:
     """popularity_E: per-expert routed pairs of the previous step (all ranks summed)."""
 
     popularity_E: np.ndarray
-
-
-@njit
-def _before(keys, idx, a, b):
-    return keys[a] < keys[b] or (keys[a] == keys[b] and idx[a] < idx[b])
-
-
-@njit
-def _push(keys, idx, size, key, i):
-    """Push (key, i) on the binary min-heap keys[:size], idx[:size] (ordered as tuples); new size."""
-    keys[size] = key
-    idx[size] = i
-    c = size
-    while c > 0:
-        p = (c - 1) // 2
-        if _before(keys, idx, c, p):
-            keys[c], keys[p] = keys[p], keys[c]
-            idx[c], idx[p] = idx[p], idx[c]
-            c = p
-        else:
-            break
-    return size + 1
-
-
-@njit
-def _pop(keys, idx, size):
-    """Remove the smallest (key, i) of the heap; returns (i, new size)."""
-    top = idx[0]
-    size -= 1
-    keys[0] = keys[size]
-    idx[0] = idx[size]
-    c = 0
-    while True:
-        left = 2 * c + 1
-        if left >= size:
-            break
-        m = left
-        if left + 1 < size and _before(keys, idx, left + 1, left):
-            m = left + 1
-        if _before(keys, idx, m, c):
-            keys[c], keys[m] = keys[m], keys[c]
-            idx[c], idx[m] = idx[m], idx[c]
-            c = m
-        else:
-            break
-    return top, size
 
 
 @njit
@@ -105,21 +59,21 @@ def slot_counts_kernel(pop_E, total_slots):
     if excess > 0:  # the largest diff among cnt > 1 loses a slot (ties to the lower index)
         for e in range(E):
             if cnt[e] > 1:
-                size = _push(keys, idx, size, -diff[e], e)
+                size = heap_push(keys, idx, size, -diff[e], e)
         for _ in range(excess):
-            i, size = _pop(keys, idx, size)
+            i, size = heap_pop(keys, idx, size)
             cnt[i] -= 1
             diff[i] -= den
             if cnt[i] > 1:
-                size = _push(keys, idx, size, -diff[i], i)
+                size = heap_push(keys, idx, size, -diff[i], i)
     elif excess < 0:  # the smallest diff gains one
         for e in range(E):
-            size = _push(keys, idx, size, diff[e], e)
+            size = heap_push(keys, idx, size, diff[e], e)
         for _ in range(-excess):
-            i, size = _pop(keys, idx, size)
+            i, size = heap_pop(keys, idx, size)
             cnt[i] += 1
             diff[i] += den
-            size = _push(keys, idx, size, diff[i], i)
+            size = heap_push(keys, idx, size, diff[i], i)
     return cnt
 
 

@@ -650,6 +650,55 @@ def locality_split_kernel(d_GE, expert_N, rank_N, quota_N):
     return send, -1
 
 
+# A binary min-heap over (key, index) pairs in two arrays, ordered as Python orders the tuples
+# (heapq's order): the compiled planners' priority queues.
+@njit
+def heap_before(keys, idx, a, b):
+    """Whether entry a of the heap orders before entry b: (key, index) compared as a tuple."""
+    return keys[a] < keys[b] or (keys[a] == keys[b] and idx[a] < idx[b])
+
+
+@njit
+def heap_push(keys, idx, size, key, i):
+    """Push (key, i) on the binary min-heap keys[:size], idx[:size] (ordered as tuples); new size."""
+    keys[size] = key
+    idx[size] = i
+    c = size
+    while c > 0:
+        p = (c - 1) // 2
+        if heap_before(keys, idx, c, p):
+            keys[c], keys[p] = keys[p], keys[c]
+            idx[c], idx[p] = idx[p], idx[c]
+            c = p
+        else:
+            break
+    return size + 1
+
+
+@njit
+def heap_pop(keys, idx, size):
+    """Remove the smallest (key, i) of the heap; returns (i, new size)."""
+    top = idx[0]
+    size -= 1
+    keys[0] = keys[size]
+    idx[0] = idx[size]
+    c = 0
+    while True:
+        left = 2 * c + 1
+        if left >= size:
+            break
+        m = left
+        if left + 1 < size and heap_before(keys, idx, left + 1, left):
+            m = left + 1
+        if heap_before(keys, idx, m, c):
+            keys[c], keys[m] = keys[m], keys[c]
+            idx[c], idx[m] = idx[m], idx[c]
+            c = m
+        else:
+            break
+    return top, size
+
+
 # ----------------------------------------------------------------------------- shared helpers
 def expert_sum(x_GN: np.ndarray, expert_N: np.ndarray, num_experts: int) -> np.ndarray:
     """Sum the instance columns of x_GN per expert -> [G, E]."""
