@@ -23,8 +23,8 @@ import numpy as np
 
 from lrmoe.planning.jit import njit
 from lrmoe.planning.memory import memory_constants
-from lrmoe.planning.plan import (Instance, Instances, cap_rows_kernel, heap_pop, heap_push, keep_all_peak, make_plan,
-                                 prefix_split_kernel, resolve_budget)
+from lrmoe.planning.plan import (Instance, Instances, cap_column, heap_pop, heap_push, keep_all_peak, make_plan,
+                                 prefix_split_ranges, resolve_budget)
 
 
 @dataclass(frozen=True)
@@ -194,19 +194,28 @@ def route_kernel(d_GE, expert_N, counts_E, cap):
     G, E = d_GE.shape
     N = expert_N.size
     quota_N = np.empty(N, np.int64)
+    d_E = np.zeros(E, np.int64)
+    for g in range(G):
+        for e in range(E):
+            d_E[e] += d_GE[g, e]
     n = 0
     for e in range(E):
-        d = 0
-        for g in range(G):
-            d += d_GE[g, e]
+        d = d_E[e]
         c = counts_E[e]
         base, extra = d // c, d % c
         for j in range(c):
             quota_N[n] = base + (j < extra)
             n += 1
-    send = prefix_split_kernel(d_GE, expert_N, quota_N)
-    if cap >= 0:
-        send = cap_rows_kernel(send, np.full(N, cap, np.int64))
+    send, lo_N, hi_N = prefix_split_ranges(d_GE, expert_N, quota_N)
+    if cap >= 0:  # a slot receives its quota: those over the cap are trimmed
+        idx = np.empty(G, np.int64)
+        val = np.empty(G, np.int64)
+        out = np.empty(G, np.int64)
+        key = np.empty(G, np.int64)
+        sel = np.empty(G, np.int64)
+        for n in range(N):
+            if quota_N[n] > cap:
+                cap_column(send, n, lo_N[n], hi_N[n], cap, idx, val, out, key, sel)
     return send
 
 

@@ -449,9 +449,35 @@ def divmod_nonneg(a, b):
 
 
 @njit
-def largest_remainder_into(out, w, total):
+def kth_smallest(a, m, k):
+    """The k-th smallest (0-based) of a[:m], distinct values; a[:m] is permuted (quickselect)."""
+    lo, hi = 0, m - 1
+    while lo < hi:
+        pivot = a[(lo + hi) >> 1]
+        i, j = lo, hi
+        while i <= j:
+            while a[i] < pivot:
+                i += 1
+            while a[j] > pivot:
+                j -= 1
+            if i <= j:
+                a[i], a[j] = a[j], a[i]
+                i += 1
+                j -= 1
+        if k <= j:
+            hi = j
+        elif k >= i:
+            lo = i
+        else:
+            return a[k]
+    return a[k]
+
+
+@njit
+def largest_remainder_scratch(out, w, total, key, sel):
     """``out[:] = largest_remainder(total, w)`` for a 1-D ``w`` whose sum is > 0 (or total == 0);
-    remainders to the largest fractional parts, ties to the lower index."""
+    remainders to the largest fractional parts, ties to the lower index. ``key`` and ``sel`` are
+    scratch of at least w.size entries."""
     n = w.size
     if total == 0:
         for i in range(n):
@@ -460,38 +486,59 @@ def largest_remainder_into(out, w, total):
     W = 0
     for i in range(n):
         W += w[i]
-    rem = np.empty(n, np.int64)
+    inv = 1.0 / W
     placed = 0
-    for i in range(n):
-        q, r = divmod_nonneg(w[i] * total, W)
+    for i in range(n):  # floor(w * total / W) by a float estimate and an exact correction
+        a = w[i] * total
+        q = np.int64(a * inv)
+        r = a - q * W
+        while r < 0:
+            q -= 1
+            r += W
+        while r >= W:
+            q += 1
+            r -= W
         out[i] = q
-        rem[i] = r
+        key[i] = r
         placed += q
     missing = total - placed
     if missing <= 0:
         return
-    if missing <= 8:  # a few: repeated scans for the largest remainder (lowest index on ties)
-        for _ in range(missing):
-            best, at = -1, -1
-            for i in range(n):
-                if rem[i] > best:
-                    best, at = rem[i], i
-            out[at] += 1
-            rem[at] = -1
+    if missing == 1:  # the largest remainder (the lowest index on ties)
+        best, at = key[0], 0
+        for i in range(1, n):
+            if key[i] > best:
+                best, at = key[i], i
+        out[at] += 1
         return
-    # the missing-th largest remainder; every larger one gets a unit, then the equal ones by index
-    srt = np.sort(rem)
+    if W < (1 << 62) // n:
+        # unique keys ordered as (remainder desc, index asc): the missing largest take one more each
+        for i in range(n):
+            key[i] = key[i] * n + (n - 1 - i)
+            sel[i] = key[i]
+        thr = kth_smallest(sel, n, n - missing)
+        for i in range(n):
+            if key[i] >= thr:
+                out[i] += 1
+        return
+    srt = np.sort(key[:n])  # the missing-th largest remainder; larger ones, then equal ones by index
     thr = srt[n - missing]
     for i in range(n):
-        if rem[i] > thr:
+        if key[i] > thr:
             out[i] += 1
             missing -= 1
     for i in range(n):
         if missing == 0:
             break
-        if rem[i] == thr:
+        if key[i] == thr:
             out[i] += 1
             missing -= 1
+
+
+@njit
+def largest_remainder_into(out, w, total):
+    """:func:`largest_remainder_scratch` with its own scratch."""
+    largest_remainder_scratch(out, w, total, np.empty(w.size, np.int64), np.empty(w.size, np.int64))
 
 
 @njit
@@ -530,51 +577,83 @@ def expert_columns(expert_N, num_experts):
 
 
 @njit
-def prefix_split_kernel(d_GE, expert_N, quota_N):
-    """:func:`prefix_split_experts` for nonnegative counts: a merge of the source and instance intervals."""
+def prefix_split_ranges(d_GE, expert_N, quota_N):
+    """:func:`prefix_split_experts` for nonnegative counts; also every column's nonzero rows as a
+    range [lo_N, hi_N). Instance j of an expert takes the ordinals [Q_{j-1}, Q_j) of its quota prefix
+    sums, source g holds [S_{g-1}, S_g): send[g, j] is their overlap, walked source by source."""
     G, E = d_GE.shape
     N = expert_N.size
     send = np.zeros((G, N), np.int64)
+    lo_N = np.zeros(N, np.int64)
+    hi_N = np.zeros(N, np.int64)
     start, cols = expert_columns(expert_N, E)
     for e in range(E):
         a, b = start[e], start[e + 1]
         if a == b or G == 0:
             continue
-        # pos = max(start of source g's interval, start of instance j's); each step writes their overlap
-        g, j, pos = 0, a, 0
-        s_end, n_end = d_GE[0, e], quota_N[cols[a]]
-        while g < G and j < b:
-            hi = s_end if s_end < n_end else n_end
-            if hi > pos:
-                send[g, cols[j]] = hi - pos
-                pos = hi
-            if s_end <= n_end:
-                g += 1
-                if g < G:
-                    s_end += d_GE[g, e]
-            else:
-                j += 1
-                if j < b:
-                    n_end += quota_N[cols[j]]
-    return send
+        g, s_lo, s_hi = 0, 0, d_GE[0, e]  # source g's interval [s_lo, s_hi)
+        q_lo = 0
+        for j in range(a, b):
+            n = cols[j]
+            q_hi = q_lo + quota_N[n]
+            if q_hi > q_lo:
+                while g < G - 1 and s_hi <= q_lo:  # the first source reaching into the interval
+                    g += 1
+                    s_lo = s_hi
+                    s_hi += d_GE[g, e]
+                lo_N[n] = g
+                gg, lo, hi = g, s_lo, s_hi
+                while True:
+                    v = (hi if hi < q_hi else q_hi) - (lo if lo > q_lo else q_lo)
+                    if v > 0:
+                        send[gg, n] = v
+                    gg += 1
+                    if gg >= G or hi >= q_hi:
+                        break
+                    lo = hi
+                    hi += d_GE[gg, e]
+                hi_N[n] = gg
+            q_lo = q_hi
+    return send, lo_N, hi_N
+
+
+@njit
+def prefix_split_kernel(d_GE, expert_N, quota_N):
+    return prefix_split_ranges(d_GE, expert_N, quota_N)[0]
+
+
+@njit
+def cap_column(send, n, lo, hi, cap, idx, val, out, key, sel):
+    """Trim column n of send (nonzero only in rows lo..hi-1) to ``cap`` rows by largest remainder
+    over its nonzero rows (zero rows never take a unit, so leaving them out changes nothing)."""
+    m = 0
+    for g in range(lo, hi):
+        v = send[g, n]
+        if v != 0:
+            idx[m] = g
+            val[m] = v
+            m += 1
+    largest_remainder_scratch(out[:m], val[:m], cap, key, sel)
+    for i in range(m):
+        send[idx[i], n] = out[i]
 
 
 @njit
 def cap_rows_kernel(send_GN, cap_N):
     send = send_GN.copy()
     G, N = send.shape
-    col = np.empty(G, np.int64)
+    total = np.zeros(N, np.int64)
+    for g in range(G):
+        for n in range(N):
+            total[n] += send[g, n]
+    idx = np.empty(G, np.int64)
+    val = np.empty(G, np.int64)
     out = np.empty(G, np.int64)
+    key = np.empty(G, np.int64)
+    sel = np.empty(G, np.int64)
     for n in range(N):
-        total = 0
-        for g in range(G):
-            total += send[g, n]
-        if total > cap_N[n]:
-            for g in range(G):
-                col[g] = send[g, n]
-            largest_remainder_into(out, col, cap_N[n])
-            for g in range(G):
-                send[g, n] = out[g]
+        if total[n] > cap_N[n]:
+            cap_column(send, n, 0, G, cap_N[n], idx, val, out, key, sel)
     return send
 
 
@@ -617,13 +696,20 @@ def locality_split_kernel(d_GE, expert_N, rank_N, quota_N):
     G, E = d_GE.shape
     N = expert_N.size
     send = np.zeros((G, N), np.int64)
+    for g in range(G):  # an expert without replicas: its owner takes every pair (row-major copy)
+        for e in range(E):
+            send[g, e] = d_GE[g, e]
     start, cols = expert_columns(expert_N, E)
     rem = np.empty(G, np.int64)
     alloc = np.empty(G, np.int64)
+    key = np.empty(G, np.int64)
+    sel = np.empty(G, np.int64)
     for e in range(E):
+        a, b = start[e], start[e + 1]
+        if b - a < 2:
+            continue
         for g in range(G):
             rem[g] = d_GE[g, e]
-        a, b = start[e], start[e + 1]
         # cols[a] is the owner (column e < E), then the replicas in column order
         for i in range(a + 1, b):  # pass 1: pairs already on the host rank
             n = cols[i]
@@ -641,7 +727,7 @@ def locality_split_kernel(d_GE, expert_N, rank_N, quota_N):
                 W += rem[g]
             if W <= 0:
                 return send, e
-            largest_remainder_into(alloc, rem, need)
+            largest_remainder_scratch(alloc, rem, need, key, sel)
             for g in range(G):
                 send[g, n] += alloc[g]
                 rem[g] -= alloc[g]
@@ -983,11 +1069,12 @@ def assemble(demand_GE, send_GN, quota_GN, same, expert_N, rank_N, slot_N, is_re
         acc = 0
         for n in range(N):
             v = send_GN[g, n]
-            if v < 0:
-                err = 3
-            acc += v
-            recv_N[n] += v
-            dropped[g, expert_N[n]] -= v
+            if v != 0:
+                if v < 0:
+                    err = 3
+                acc += v
+                recv_N[n] += v
+                dropped[g, expert_N[n]] -= v
         sent_G[g] = acc
         p = 0
         for e in range(E):
