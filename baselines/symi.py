@@ -21,8 +21,10 @@ from fractions import Fraction
 
 import numpy as np
 
-from lrmoe.planning.memory import plan_memory
-from lrmoe.planning.plan import Instance, cap_rows, make_plan, prefix_split_experts, resolve_budget
+from lrmoe.planning.jit import njit
+from lrmoe.planning.memory import memory_constants
+from lrmoe.planning.plan import (Instance, Instances, cap_column, heap_pop, heap_push, keep_all_peak, make_plan,
+                                 prefix_split_ranges, resolve_budget)
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,67 @@ class SymiState:
     """popularity_E: per-expert routed pairs of the previous step (all ranks summed)."""
 
     popularity_E: np.ndarray
+
+
+@njit
+def slot_counts_kernel(pop_E, total_slots):
+    """:func:`symi_slot_counts` for integer popularity (int64 counts, sum > 0, small enough that
+    den * (total_slots + 1) fits in 62 bits): the same exact integer arithmetic and heap order."""
+    E = pop_E.size
+    den = 0
+    for e in range(E):
+        den += pop_E[e]
+    cnt = np.empty(E, np.int64)
+    diff = np.empty(E, np.int64)
+    excess = -total_slots
+    for e in range(E):
+        n = pop_E[e] * total_slots
+        c = n // den
+        if c < 1:
+            c = 1
+        cnt[e] = c
+        diff[e] = c * den - n
+        excess += c
+    keys = np.empty(E, np.int64)
+    idx = np.empty(E, np.int64)
+    size = 0
+    if excess > 0:  # the largest diff among cnt > 1 loses a slot (ties to the lower index)
+        for e in range(E):
+            if cnt[e] > 1:
+                size = heap_push(keys, idx, size, -diff[e], e)
+        for _ in range(excess):
+            i, size = heap_pop(keys, idx, size)
+            cnt[i] -= 1
+            diff[i] -= den
+            if cnt[i] > 1:
+                size = heap_push(keys, idx, size, -diff[i], i)
+    elif excess < 0:  # the smallest diff gains one
+        for e in range(E):
+            size = heap_push(keys, idx, size, diff[e], e)
+        for _ in range(-excess):
+            i, size = heap_pop(keys, idx, size)
+            cnt[i] += 1
+            diff[i] += den
+            size = heap_push(keys, idx, size, diff[i], i)
+    return cnt
+
+
+@njit
+def popularity_kind(pop_E):
+    """0: nonnegative finite integers below 2**53 with a positive sum; 1: all zero; 2: other
+    finite nonnegative values; 3: a negative or non-finite value."""
+    total = 0.0
+    whole = True
+    for e in range(pop_E.size):
+        p = pop_E[e]
+        if not (p >= 0) or p == np.inf:
+            return 3
+        if p != np.floor(p) or p >= 2.0 ** 53:
+            whole = False
+        total += p
+    if total <= 0:
+        return 1
+    return 0 if whole else 2
 
 
 def symi_slot_counts(popularity_E, total_slots: int) -> np.ndarray:
@@ -43,14 +106,19 @@ def symi_slot_counts(popularity_E, total_slots: int) -> np.ndarray:
     (The published loop takes argmax over all experts and skips those at one slot; restricting
     the argmax to cnt > 1 gives the same counts and cannot spin.) Ties go to the lower index.
     All-zero popularity counts as uniform."""
-    pop = np.asarray(popularity_E, dtype=np.float64)
+    pop = np.ascontiguousarray(popularity_E, dtype=np.float64)
     E = pop.size
-    if pop.ndim != 1 or (pop < 0).any() or not np.isfinite(pop).all():
+    kind = popularity_kind(pop) if pop.ndim == 1 else 3
+    if kind == 3:
         raise ValueError(f"popularity must be a 1-D array of counts >= 0, got {popularity_E!r}")
     if total_slots < E:
         raise ValueError(f"SYMI needs at least one slot per expert: G*S = {total_slots} < E = {E}")
-    if pop.sum() <= 0:
+    if kind == 1:
         pop = np.ones(E)
+        kind = 0
+    if kind == 0:
+        if float(pop.sum()) * (total_slots + 1) < 2.0**61:  # the kernel's int64 products cannot overflow
+            return slot_counts_kernel(pop.astype(np.int64), int(total_slots))
     # Exact arithmetic: ties that are exact (e.g. three goals of k + 1/3) must go to the lower
     # index, which float rounding of goal - floor(goal) would decide instead. With diff scaled by
     # den = sum(pop), goal = num / den and diff = cnt - goal are integers (popularity is counted in
@@ -91,10 +159,64 @@ def symi_slot_counts(popularity_E, total_slots: int) -> np.ndarray:
 def symi_instances(slot_counts_E, slots_per_rank: int) -> list[Instance]:
     """Contiguous slot layout: global slot j holds expert ``repeat(arange(E), cnt)[j]`` on rank j // S;
     the first slot of each expert is its primary instance, the others are replicas."""
-    experts = np.repeat(np.arange(len(slot_counts_E)), slot_counts_E)
-    first = np.r_[True, experts[1:] != experts[:-1]]
-    return [Instance(int(e), j // slots_per_rank, j % slots_per_rank, not bool(f))
-            for j, (e, f) in enumerate(zip(experts, first))]
+    return list(symi_layout(slot_counts_E, slots_per_rank))
+
+
+@njit
+def layout_kernel(counts_E, slots_per_rank):
+    N = 0
+    for c in counts_E:
+        N += c
+    expert_N = np.empty(N, np.int64)
+    rank_N = np.empty(N, np.int64)
+    slot_N = np.empty(N, np.int64)
+    replica_N = np.empty(N, np.bool_)
+    j = 0
+    for e in range(counts_E.size):
+        for k in range(counts_E[e]):
+            expert_N[j] = e
+            rank_N[j] = j // slots_per_rank
+            slot_N[j] = j % slots_per_rank
+            replica_N[j] = k > 0
+            j += 1
+    return expert_N, rank_N, slot_N, replica_N
+
+
+def symi_layout(slot_counts_E, slots_per_rank: int) -> Instances:
+    """:func:`symi_instances` as :class:`Instances`."""
+    return Instances(*layout_kernel(np.ascontiguousarray(slot_counts_E, dtype=np.int64), int(slots_per_rank)))
+
+
+@njit
+def route_kernel(d_GE, expert_N, counts_E, cap):
+    """Each expert's pairs split evenly over its (contiguous) slots, the first d_e mod c_e taking
+    one more, routed by ordinal prefix; then at most ``cap`` rows per slot (< 0: no cap)."""
+    G, E = d_GE.shape
+    N = expert_N.size
+    quota_N = np.empty(N, np.int64)
+    d_E = np.zeros(E, np.int64)
+    for g in range(G):
+        for e in range(E):
+            d_E[e] += d_GE[g, e]
+    n = 0
+    for e in range(E):
+        d = d_E[e]
+        c = counts_E[e]
+        base, extra = d // c, d % c
+        for j in range(c):
+            quota_N[n] = base + (j < extra)
+            n += 1
+    send, lo_N, hi_N = prefix_split_ranges(d_GE, expert_N, quota_N)
+    if cap >= 0:  # a slot receives its quota: those over the cap are trimmed
+        idx = np.empty(G, np.int64)
+        val = np.empty(G, np.int64)
+        out = np.empty(G, np.int64)
+        key = np.empty(G, np.int64)
+        sel = np.empty(G, np.int64)
+        for n in range(N):
+            if quota_N[n] > cap:
+                cap_column(send, n, lo_N[n], hi_N[n], cap, idx, val, out, key, sel)
+    return send
 
 
 def plan_symi(demand_GE, cluster, dims, budget_bytes, *, state: SymiState | None = None,
@@ -110,37 +232,27 @@ def plan_symi(demand_GE, cluster, dims, budget_bytes, *, state: SymiState | None
     if popularity.shape != (E,):
         raise ValueError(f"symi state popularity must have shape [E={E}], got {popularity.shape}")
     counts = symi_slot_counts(popularity, G * S)
-    instances = symi_instances(counts, S)
-    expert_N = np.array([i.expert for i in instances])
+    instances = symi_layout(counts, S)
+    expert_N, rank_N, replica_N = instances.expert_N, instances.rank_N, instances.is_replica_N
     new_state = SymiState(demand_GE.sum(0))
-
-    rank_N = np.array([i.rank for i in instances])
-    replica_N = np.array([i.is_replica for i in instances], dtype=bool)
+    mode = "dropless" if capacity_factor is None else f"capacity_factor={capacity_factor}"
+    consts = memory_constants(dims, False)
 
     def route(d_GE, row_cap):
-        # each expert's pairs split evenly over its slots (largest remainder of equal weights: the
-        # first d_e mod c_e slots take one more), then routed by ordinal prefix
-        d_E = d_GE.sum(0)
-        c_E = np.bincount(expert_N, minlength=E)
-        j_N = np.arange(expert_N.size) - np.searchsorted(expert_N, expert_N)  # slot index within its expert
-        quota_N = d_E[expert_N] // c_E[expert_N] + (j_N < d_E[expert_N] % c_E[expert_N])
-        send = prefix_split_experts(d_GE, expert_N, quota_N)
         cap = None if capacity_factor is None else math.ceil(capacity_factor * int(d_GE.sum()) / (G * S))
         caps = [c for c in (cap, row_cap) if c is not None]
-        return (cap_rows(send, min(caps)) if caps else send), cap
+        return route_kernel(d_GE, expert_N, counts, min(caps) if caps else -1), cap
 
     def build(d_GE, row_cap):
         send, cap = route(d_GE, row_cap)
-        info = {"slot_counts_E": counts, "popularity_E": popularity, "capacity_rows": cap,
-                "mode": "dropless" if capacity_factor is None else f"capacity_factor={capacity_factor}"}
+        info = {"slot_counts_E": counts, "popularity_E": popularity, "capacity_rows": cap, "mode": mode}
         return make_plan("symi", d_GE, cluster, dims, budget_bytes, instances, send, optimizer_on_gpu=False,
                          info=info, state=new_state)
 
     def fits(d_GE, row_cap):
-        # the memory of build's plan (every pair sent is kept) without assembling it: the probes
-        # of the budget fallbacks read only this
+        # the memory of build's plan (every pair sent is kept) without assembling it: the budget
+        # fallbacks' probes read only this
         send, _ = route(d_GE, row_cap)
-        return plan_memory(dims, G, rank_N, replica_N, send, send, optimizer_on_gpu=False,
-                           pairs_G=d_GE.sum(1)).peak <= budget_bytes
+        return keep_all_peak(d_GE, send, rank_N, replica_N, consts) <= budget_bytes
 
     return resolve_budget(build, demand_GE, budget_bytes, fallback, max_split, fits=fits)

@@ -39,9 +39,12 @@ activations are not part of it.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
+
+from .jit import njit
 
 GIB = 1024**3
 
@@ -65,10 +68,17 @@ class MemoryBreakdown:
     def total_G(self) -> np.ndarray:
         return self.base_G + self.replicas_G + self.tokens_G
 
-    @property
+    @functools.cached_property
     def peak(self) -> int:
         """The largest per-rank total (what must fit the per-GPU budget)."""
         return int(self.total_G.max(initial=0))
+
+    @classmethod
+    def of(cls, base_G, replicas_G, dispatch_G, saved_G, backward_G, peak: int) -> "MemoryBreakdown":
+        """A breakdown whose ``peak`` was computed with it (by a compiled kernel): no numpy call on reading it."""
+        out = cls(base_G, replicas_G, dispatch_G, saved_G, backward_G)
+        out.__dict__["peak"] = int(peak)  # cached_property's slot; the dataclass is frozen, its __dict__ is not
+        return out
 
     def summary(self) -> dict[str, int]:
         """Max over ranks of each component, and the peak total (not the sum of the maxima)."""
@@ -98,15 +108,96 @@ def token_row_bytes(dims) -> dict[str, int]:
             "backward": (3 * H + 6 * I) * b}  # per retained received row
 
 
+def memory_constants(dims, optimizer_on_gpu: bool = True) -> tuple[int, int, int, int, int, int]:
+    """Bytes of an owned instance, of a replica, and per row of each token-buffer term (dispatch,
+    saved, output, backward): what the compiled memory kernels multiply the counts by."""
+    try:
+        return _memory_constants(dims, optimizer_on_gpu)
+    except TypeError:  # an unhashable dims-like object
+        return _memory_constants.__wrapped__(dims, optimizer_on_gpu)
+
+
+@functools.lru_cache(maxsize=256)
+def _memory_constants(dims, optimizer_on_gpu: bool) -> tuple[int, int, int, int, int, int]:
+    row = token_row_bytes(dims)
+    return (instance_bytes(dims, replica=False, optimizer_on_gpu=optimizer_on_gpu), instance_bytes(dims, replica=True),
+            row["dispatch"], row["saved"], row["output"], row["backward"])
+
+
+@njit
+def memory_from_counts(rank_N, is_replica_N, recv_N, kept_recv_N, sent_G, kept_sent_G, pairs_G, num_ranks, consts):
+    """The five per-rank components and the peak (module docstring) from the counts; consts as
+    :func:`memory_constants`. Integer arithmetic, the same integers as the numpy form."""
+    owner_b, replica_b, dispatch_b, saved_b, output_b, backward_b = consts
+    G = num_ranks
+    base = np.zeros(G, np.int64)
+    reps = np.zeros(G, np.int64)
+    recv = np.zeros(G, np.int64)
+    kept = np.zeros(G, np.int64)
+    for n in range(rank_N.size):
+        r = rank_N[n]
+        if is_replica_N[n]:
+            reps[r] += 1
+        else:
+            base[r] += 1
+        recv[r] += recv_N[n]
+        kept[r] += kept_recv_N[n]
+    dispatch = np.empty(G, np.int64)
+    saved = np.empty(G, np.int64)
+    backward = np.empty(G, np.int64)
+    peak = 0  # max(initial=0), as MemoryBreakdown.peak
+    for r in range(G):
+        base[r] *= owner_b
+        reps[r] *= replica_b
+        dispatch[r] = dispatch_b * (sent_G[r] + kept_sent_G[r])
+        saved[r] = saved_b * recv[r] + output_b * pairs_G[r]
+        backward[r] = backward_b * kept[r]
+        total = base[r] + reps[r] + dispatch[r] + saved[r] + backward[r]
+        if total > peak:
+            peak = total
+    return base, reps, dispatch, saved, backward, peak
+
+
+@njit
+def plan_counts(send_GN, quota_GN, same):
+    """Row and column sums of send and quota (``same``: quota is send, one pass)."""
+    G, N = send_GN.shape
+    sent_G = np.zeros(G, np.int64)
+    recv_N = np.zeros(N, np.int64)
+    for g in range(G):
+        acc = 0
+        for n in range(N):
+            v = send_GN[g, n]
+            acc += v
+            recv_N[n] += v
+        sent_G[g] = acc
+    if same:
+        return sent_G, recv_N, sent_G, recv_N
+    kept_G = np.zeros(G, np.int64)
+    kept_N = np.zeros(N, np.int64)
+    for g in range(G):
+        acc = 0
+        for n in range(N):
+            v = quota_GN[g, n]
+            acc += v
+            kept_N[n] += v
+        kept_G[g] = acc
+    return sent_G, recv_N, kept_G, kept_N
+
+
+def _int64(x) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=np.int64)
+
+
 def plan_memory(dims, num_ranks: int, rank_N, is_replica_N, send_GN, quota_GN, *,
                 optimizer_on_gpu: bool = True, pairs_G=None) -> MemoryBreakdown:
     """Memory of every rank for instances on ``rank_N`` with the given send and backward quotas.
     ``pairs_G``: each rank's routed pairs P_r (default: the pairs it sends, i.e. no capacity drops)."""
-    send_GN = np.asarray(send_GN, dtype=np.int64)
-    quota_GN = np.asarray(quota_GN, dtype=np.int64)
-    sent_G = send_GN.sum(1)
-    return count_memory(dims, num_ranks, rank_N, is_replica_N, recv_N=send_GN.sum(0), kept_recv_N=quota_GN.sum(0),
-                        sent_G=sent_G, kept_sent_G=quota_GN.sum(1), pairs_G=sent_G if pairs_G is None else pairs_G,
+    send_GN = _int64(send_GN)
+    quota_GN = send_GN if quota_GN is send_GN else _int64(quota_GN)
+    sent_G, recv_N, kept_sent_G, kept_recv_N = plan_counts(send_GN, quota_GN, quota_GN is send_GN)
+    return count_memory(dims, num_ranks, rank_N, is_replica_N, recv_N=recv_N, kept_recv_N=kept_recv_N,
+                        sent_G=sent_G, kept_sent_G=kept_sent_G, pairs_G=sent_G if pairs_G is None else pairs_G,
                         optimizer_on_gpu=optimizer_on_gpu)
 
 
@@ -116,21 +207,10 @@ def count_memory(dims, num_ranks: int, rank_N, is_replica_N, *, recv_N, kept_rec
     receives and keeps, and the pairs every source rank sends, keeps sent, and routes. A planner
     that knows these without the [G, N] matrices (every instance receives its quota) sizes a
     candidate plan with it; the result is the same integers as :func:`plan_memory`'s."""
-    rank_N = np.asarray(rank_N, dtype=np.int64)
-    rep_N = np.asarray(is_replica_N, dtype=bool)
-    G = num_ranks
-    n_owned_G = np.bincount(rank_N[~rep_N], minlength=G)
-    n_rep_G = np.bincount(rank_N[rep_N], minlength=G)
-    recv_G = np.bincount(rank_N, weights=np.asarray(recv_N, dtype=np.int64), minlength=G).astype(np.int64)
-    kept_recv_G = np.bincount(rank_N, weights=np.asarray(kept_recv_N, dtype=np.int64), minlength=G).astype(np.int64)
-    row = token_row_bytes(dims)
-    return MemoryBreakdown(
-        base_G=n_owned_G * instance_bytes(dims, replica=False, optimizer_on_gpu=optimizer_on_gpu),
-        replicas_G=n_rep_G * instance_bytes(dims, replica=True),
-        dispatch_G=row["dispatch"] * (np.asarray(sent_G, dtype=np.int64) + np.asarray(kept_sent_G, dtype=np.int64)),
-        saved_G=row["saved"] * recv_G + row["output"] * np.asarray(pairs_G, dtype=np.int64),
-        backward_G=row["backward"] * kept_recv_G,
-    )
+    G = int(num_ranks)
+    return MemoryBreakdown.of(*memory_from_counts(
+        _int64(rank_N), np.ascontiguousarray(is_replica_N, dtype=np.bool_), _int64(recv_N), _int64(kept_recv_N),
+        _int64(sent_G), _int64(kept_sent_G), _int64(pairs_G), G, memory_constants(dims, bool(optimizer_on_gpu))))
 
 
 def total_memory_floor(dims, num_owned: int, pairs: int, kept: int, *, optimizer_on_gpu: bool = True) -> int:

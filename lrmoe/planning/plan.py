@@ -27,17 +27,18 @@ This module holds the interface types and the small routing helpers the planners
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 
-from .memory import MemoryBreakdown, plan_memory
+from .jit import njit
+from .memory import MemoryBreakdown, memory_constants, memory_from_counts
 
-__all__ = ["Cluster", "ModelDims", "Instance", "Plan", "MemoryBreakdown", "check_inputs"]
+__all__ = ["Cluster", "ModelDims", "Instance", "Instances", "Plan", "MemoryBreakdown", "check_inputs"]
 
 
 # ----------------------------------------------------------------------------- descriptions
@@ -129,6 +130,72 @@ class Instance:
     is_replica: bool
 
 
+class Instances(Sequence):
+    """A plan's instances held as four arrays (expert, rank, slot, replica flag per instance) and
+    read as the tuple of :class:`Instance` they describe: ``len``, indexing, iteration and equality
+    (with another ``Instances`` or with a tuple of ``Instance``) are the tuple's. The planners
+    build these from compiled kernels without a Python object per instance; the tuple is made on
+    first use. The arrays are read-only (several plans may share one layout)."""
+
+    __slots__ = ("expert_N", "rank_N", "slot_N", "is_replica_N", "_items")
+
+    def __init__(self, expert_N, rank_N, slot_N, is_replica_N):
+        arrays = (np.ascontiguousarray(expert_N, dtype=np.int64), np.ascontiguousarray(rank_N, dtype=np.int64),
+                  np.ascontiguousarray(slot_N, dtype=np.int64), np.ascontiguousarray(is_replica_N, dtype=np.bool_))
+        if len({a.shape for a in arrays}) != 1 or arrays[0].ndim != 1:
+            raise ValueError(f"Instances needs four 1-D arrays of one length, got shapes {[a.shape for a in arrays]}")
+        for a in arrays:
+            a.setflags(write=False)
+        self.expert_N, self.rank_N, self.slot_N, self.is_replica_N = arrays
+        self._items = None
+
+    @classmethod
+    def of(cls, instances) -> "Instances":
+        """From an iterable of :class:`Instance` (or an ``Instances``, returned as is)."""
+        if isinstance(instances, Instances):
+            return instances
+        items = tuple(instances)
+        out = cls([i.expert for i in items], [i.rank for i in items], [i.slot for i in items],
+                  [i.is_replica for i in items])
+        out._items = items
+        return out
+
+    def as_tuple(self) -> tuple[Instance, ...]:
+        if self._items is None:
+            self._items = tuple(map(Instance, self.expert_N.tolist(), self.rank_N.tolist(), self.slot_N.tolist(),
+                                    self.is_replica_N.tolist()))
+        return self._items
+
+    def __len__(self) -> int:
+        return self.expert_N.size
+
+    def __getitem__(self, i):
+        return self.as_tuple()[i]
+
+    def __iter__(self):
+        return iter(self.as_tuple())
+
+    def __eq__(self, other):
+        if isinstance(other, Instances):
+            return (other is self or (self.expert_N.size == other.expert_N.size
+                                      and np.array_equal(self.expert_N, other.expert_N)
+                                      and np.array_equal(self.rank_N, other.rank_N)
+                                      and np.array_equal(self.slot_N, other.slot_N)
+                                      and np.array_equal(self.is_replica_N, other.is_replica_N)))
+        if isinstance(other, (tuple, list)):
+            return self.as_tuple() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self):
+        return hash(self.as_tuple())
+
+    def __repr__(self) -> str:
+        return f"Instances({list(self.as_tuple())!r})"
+
+    def __reduce__(self):
+        return Instances, (self.expert_N, self.rank_N, self.slot_N, self.is_replica_N)
+
+
 @dataclass(frozen=True)
 class Plan:
     """What a placement policy decided for one step of one MoE layer (N = len(instances)).
@@ -165,15 +232,16 @@ class Plan:
 
     @property
     def expert_N(self) -> np.ndarray:
-        return np.array([i.expert for i in self.instances], dtype=np.int64)
+        """Expert of every instance (read-only when the plan holds :class:`Instances`)."""
+        return Instances.of(self.instances).expert_N
 
     @property
     def rank_N(self) -> np.ndarray:
-        return np.array([i.rank for i in self.instances], dtype=np.int64)
+        return Instances.of(self.instances).rank_N
 
     @property
     def is_replica_N(self) -> np.ndarray:
-        return np.array([i.is_replica for i in self.instances], dtype=bool)
+        return Instances.of(self.instances).is_replica_N
 
     @property
     def rows_N(self) -> np.ndarray:
@@ -215,30 +283,103 @@ class Plan:
     def check(self) -> "Plan":
         """Raise ValueError unless the plan is internally consistent; return self."""
         G, E = self.demand_GE.shape
-        N = len(self.instances)
+        inst = Instances.of(self.instances)
+        N = len(inst)
         if self.send_GN.shape != (G, N) or self.backward_quota_GN.shape != (G, N) or self.dropped_GE.shape != (G, E):
             raise ValueError(f"plan {self.policy}: count matrices have the wrong shapes")
-        slots = {(i.rank, i.slot) for i in self.instances}
-        if len(slots) != N or any(not (0 <= i.expert < E and 0 <= i.rank < G and i.slot >= 0) for i in self.instances):
-            raise ValueError(f"plan {self.policy}: instances must have valid experts, ranks and distinct slots")
-        ex = self.expert_N
-        owners_E = np.bincount(ex[~self.is_replica_N], minlength=E)
-        if np.bincount(ex, minlength=E).min(initial=1) < 1 or owners_E.max(initial=0) > 1:
-            raise ValueError(f"plan {self.policy}: every expert needs an instance and at most one owner")
-        if (self.send_GN < 0).any() or (self.dropped_GE < 0).any():
-            raise ValueError(f"plan {self.policy}: negative send or dropped counts")
-        if ((self.backward_quota_GN < 0) | (self.backward_quota_GN > self.send_GN)).any():
-            raise ValueError(f"plan {self.policy}: backward quotas must be in [0, send]")
-        if not np.array_equal(expert_sum(self.send_GN, ex, E) + self.dropped_GE, self.demand_GE):
-            raise ValueError(f"plan {self.policy}: sent + dropped pairs do not equal the demand")
+        send, quota = _int64(self.send_GN), _int64(self.backward_quota_GN)
+        err = check_counts(_int64(self.demand_GE), send, quota, _int64(self.dropped_GE), inst.expert_N, inst.rank_N,
+                           inst.slot_N, inst.is_replica_N, G, E)
+        if err:
+            raise ValueError(f"plan {self.policy}: {_CHECK_ERRORS[err]}")
         return self
+
+
+_CHECK_ERRORS = {1: "instances must have valid experts, ranks and distinct slots",
+                 2: "every expert needs an instance and at most one owner",
+                 3: "negative send or dropped counts",
+                 4: "backward quotas must be in [0, send]",
+                 5: "sent + dropped pairs do not equal the demand"}
+
+
+def _int64(x) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=np.int64)
+
+
+@njit
+def check_instances(expert_N, rank_N, slot_N, is_replica_N, num_ranks, num_experts):
+    """Plan.check's instance rules: 0 if valid, 1 (bad expert / rank / slot, or two instances in one
+    slot), 2 (an expert without an instance, or with two owners)."""
+    N = expert_N.size
+    max_slot = 0
+    for n in range(N):
+        e, r, s = expert_N[n], rank_N[n], slot_N[n]
+        if e < 0 or e >= num_experts or r < 0 or r >= num_ranks or s < 0:
+            return 1
+        if s > max_slot:
+            max_slot = s
+    width = max_slot + 1
+    if num_ranks * width <= 1 << 22:
+        taken = np.zeros(num_ranks * width, np.bool_)
+        for n in range(N):
+            k = rank_N[n] * width + slot_N[n]
+            if taken[k]:
+                return 1
+            taken[k] = True
+    else:  # sparse slot numbers: sort the (rank, slot) keys
+        keys = np.sort(rank_N * width + slot_N)
+        for n in range(1, N):
+            if keys[n] == keys[n - 1]:
+                return 1
+    count = np.zeros(num_experts, np.int64)
+    owners = np.zeros(num_experts, np.int64)
+    for n in range(N):
+        count[expert_N[n]] += 1
+        if not is_replica_N[n]:
+            owners[expert_N[n]] += 1
+    for e in range(num_experts):
+        if count[e] < 1 or owners[e] > 1:
+            return 2
+    return 0
+
+
+@njit
+def check_counts(demand_GE, send_GN, quota_GN, dropped_GE, expert_N, rank_N, slot_N, is_replica_N, num_ranks,
+                 num_experts):
+    """All of Plan.check's rules after the shapes: 0 or the first broken rule's code (_CHECK_ERRORS)."""
+    err = check_instances(expert_N, rank_N, slot_N, is_replica_N, num_ranks, num_experts)
+    if err:
+        return err
+    G, N = send_GN.shape
+    for g in range(G):
+        for n in range(N):
+            if send_GN[g, n] < 0:
+                return 3
+    for g in range(G):
+        for e in range(num_experts):
+            if dropped_GE[g, e] < 0:
+                return 3
+    for g in range(G):
+        for n in range(N):
+            q = quota_GN[g, n]
+            if q < 0 or q > send_GN[g, n]:
+                return 4
+    total = dropped_GE.copy()
+    for g in range(G):
+        for n in range(N):
+            total[g, expert_N[n]] += send_GN[g, n]
+    for g in range(G):
+        for e in range(num_experts):
+            if total[g, e] != demand_GE[g, e]:
+                return 5
+    return 0
 
 
 PlanFn = Callable[..., Plan]
 
 
 def check_inputs(demand_GE, cluster: Cluster, dims: ModelDims, budget_bytes) -> np.ndarray:
-    """Validate the planner inputs; return the demand as an int64 array."""
+    """Validate the planner inputs; return the demand as an int64 array (a copy)."""
     if not isinstance(cluster, Cluster) or not isinstance(dims, ModelDims):
         raise ValueError(f"cluster must be a Cluster and dims a ModelDims, got {type(cluster).__name__} "
                          f"and {type(dims).__name__}")
@@ -246,6 +387,12 @@ def check_inputs(demand_GE, cluster: Cluster, dims: ModelDims, budget_bytes) -> 
     d = np.asarray(demand_GE)
     if d.shape != (G, E):
         raise ValueError(f"demand_GE must have shape [G={G}, E={E}] (ranks x experts), got {d.shape}")
+    if d.dtype == _INT64 and d.flags.c_contiguous:  # the usual case: one compiled pass checks and copies
+        out, low = nonnegative_copy(d)
+        if low < 0:
+            raise ValueError(f"demand_GE counts must be >= 0, got minimum {low}")
+        check_budget(budget_bytes)
+        return out
     if d.dtype == bool or not (np.issubdtype(d.dtype, np.integer) or np.issubdtype(d.dtype, np.floating)):
         raise ValueError(f"demand_GE must hold integer counts, got dtype {d.dtype}")
     if np.issubdtype(d.dtype, np.floating) and not (np.isfinite(d).all() and (d == np.round(d)).all()):
@@ -256,6 +403,24 @@ def check_inputs(demand_GE, cluster: Cluster, dims: ModelDims, budget_bytes) -> 
     return d.astype(np.int64)
 
 
+_INT64 = np.dtype(np.int64)
+
+
+@njit
+def nonnegative_copy(d_GE):
+    """A copy of a 2-D int64 array and its minimum (the first entry's when all are >= 0)."""
+    out = np.empty_like(d_GE)
+    low = d_GE[0, 0] if d_GE.size else 0
+    G, E = d_GE.shape
+    for g in range(G):
+        for e in range(E):
+            v = d_GE[g, e]
+            out[g, e] = v
+            if v < low:
+                low = v
+    return out, low
+
+
 def check_budget(budget_bytes) -> float:
     """ValueError unless ``budget_bytes`` is a number > 0 (math.inf: no budget)."""
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float, np.integer, np.floating)) \
@@ -264,18 +429,372 @@ def check_budget(budget_bytes) -> float:
     return budget_bytes
 
 
+# ----------------------------------------------------------------------------- compiled cores
+# Integer division dominates the largest-remainder splits; ``divmod_nonneg`` divides in floating
+# point and corrects the quotient, exact for every a >= 0, b > 0 (a < 2**62).
+@njit
+def divmod_nonneg(a, b):
+    """(a // b, a % b) for a >= 0, b > 0 (floor division on other signs)."""
+    if a < 0 or b <= 0:
+        return a // b, a % b
+    q = np.int64(a / b)
+    r = a - q * b
+    while r < 0:
+        q -= 1
+        r += b
+    while r >= b:
+        q += 1
+        r -= b
+    return q, r
+
+
+@njit
+def kth_smallest(a, m, k):
+    """The k-th smallest (0-based) of a[:m], distinct values; a[:m] is permuted (quickselect)."""
+    lo, hi = 0, m - 1
+    while lo < hi:
+        pivot = a[(lo + hi) >> 1]
+        i, j = lo, hi
+        while i <= j:
+            while a[i] < pivot:
+                i += 1
+            while a[j] > pivot:
+                j -= 1
+            if i <= j:
+                a[i], a[j] = a[j], a[i]
+                i += 1
+                j -= 1
+        if k <= j:
+            hi = j
+        elif k >= i:
+            lo = i
+        else:
+            return a[k]
+    return a[k]
+
+
+@njit
+def largest_remainder_scratch(out, w, total, key, sel):
+    """``out[:] = largest_remainder(total, w)`` for a 1-D ``w`` whose sum is > 0 (or total == 0);
+    remainders to the largest fractional parts, ties to the lower index. ``key`` and ``sel`` are
+    scratch of at least w.size entries."""
+    n = w.size
+    if total == 0:
+        for i in range(n):
+            out[i] = 0
+        return
+    W = 0
+    for i in range(n):
+        W += w[i]
+    inv = 1.0 / W
+    placed = 0
+    for i in range(n):  # floor(w * total / W) by a float estimate and an exact correction
+        a = w[i] * total
+        q = np.int64(a * inv)
+        r = a - q * W
+        while r < 0:
+            q -= 1
+            r += W
+        while r >= W:
+            q += 1
+            r -= W
+        out[i] = q
+        key[i] = r
+        placed += q
+    missing = total - placed
+    if missing <= 0:
+        return
+    if missing == 1:  # the largest remainder (the lowest index on ties)
+        best, at = key[0], 0
+        for i in range(1, n):
+            if key[i] > best:
+                best, at = key[i], i
+        out[at] += 1
+        return
+    if W < (1 << 62) // n:
+        # unique keys ordered as (remainder desc, index asc): the missing largest take one more each
+        for i in range(n):
+            key[i] = key[i] * n + (n - 1 - i)
+            sel[i] = key[i]
+        thr = kth_smallest(sel, n, n - missing)
+        for i in range(n):
+            if key[i] >= thr:
+                out[i] += 1
+        return
+    srt = np.sort(key[:n])  # the missing-th largest remainder; larger ones, then equal ones by index
+    thr = srt[n - missing]
+    for i in range(n):
+        if key[i] > thr:
+            out[i] += 1
+            missing -= 1
+    for i in range(n):
+        if missing == 0:
+            break
+        if key[i] == thr:
+            out[i] += 1
+            missing -= 1
+
+
+@njit
+def largest_remainder_into(out, w, total):
+    """:func:`largest_remainder_scratch` with its own scratch."""
+    largest_remainder_scratch(out, w, total, np.empty(w.size, np.int64), np.empty(w.size, np.int64))
+
+
+@njit
+def largest_remainder_kernel(total, w):
+    out = np.empty(w.size, np.int64)
+    largest_remainder_into(out, w, total)
+    return out
+
+
+@njit
+def expert_sum_kernel(x_GN, expert_N, num_experts):
+    G, N = x_GN.shape
+    out = np.zeros((G, num_experts), np.int64)
+    for g in range(G):
+        for n in range(N):
+            out[g, expert_N[n]] += x_GN[g, n]
+    return out
+
+
+@njit
+def expert_columns(expert_N, num_experts):
+    """Every expert's instance columns in ascending order, as CSR: (start_E1, cols_N)."""
+    N = expert_N.size
+    start = np.zeros(num_experts + 1, np.int64)
+    for n in range(N):
+        start[expert_N[n] + 1] += 1
+    for e in range(num_experts):
+        start[e + 1] += start[e]
+    fill = start[:-1].copy()
+    cols = np.empty(N, np.int64)
+    for n in range(N):
+        e = expert_N[n]
+        cols[fill[e]] = n
+        fill[e] += 1
+    return start, cols
+
+
+@njit
+def prefix_split_ranges(d_GE, expert_N, quota_N):
+    """:func:`prefix_split_experts` for nonnegative counts; also every column's nonzero rows as a
+    range [lo_N, hi_N). Instance j of an expert takes the ordinals [Q_{j-1}, Q_j) of its quota prefix
+    sums, source g holds [S_{g-1}, S_g): send[g, j] is their overlap, walked source by source."""
+    G, E = d_GE.shape
+    N = expert_N.size
+    send = np.zeros((G, N), np.int64)
+    lo_N = np.zeros(N, np.int64)
+    hi_N = np.zeros(N, np.int64)
+    start, cols = expert_columns(expert_N, E)
+    for e in range(E):
+        a, b = start[e], start[e + 1]
+        if a == b or G == 0:
+            continue
+        g, s_lo, s_hi = 0, 0, d_GE[0, e]  # source g's interval [s_lo, s_hi)
+        q_lo = 0
+        for j in range(a, b):
+            n = cols[j]
+            q_hi = q_lo + quota_N[n]
+            if q_hi > q_lo:
+                while g < G - 1 and s_hi <= q_lo:  # the first source reaching into the interval
+                    g += 1
+                    s_lo = s_hi
+                    s_hi += d_GE[g, e]
+                lo_N[n] = g
+                gg, lo, hi = g, s_lo, s_hi
+                while True:
+                    v = (hi if hi < q_hi else q_hi) - (lo if lo > q_lo else q_lo)
+                    if v > 0:
+                        send[gg, n] = v
+                    gg += 1
+                    if gg >= G or hi >= q_hi:
+                        break
+                    lo = hi
+                    hi += d_GE[gg, e]
+                hi_N[n] = gg
+            q_lo = q_hi
+    return send, lo_N, hi_N
+
+
+@njit
+def prefix_split_kernel(d_GE, expert_N, quota_N):
+    return prefix_split_ranges(d_GE, expert_N, quota_N)[0]
+
+
+@njit
+def cap_column(send, n, lo, hi, cap, idx, val, out, key, sel):
+    """Trim column n of send (nonzero only in rows lo..hi-1) to ``cap`` rows by largest remainder
+    over its nonzero rows (zero rows never take a unit, so leaving them out changes nothing)."""
+    m = 0
+    for g in range(lo, hi):
+        v = send[g, n]
+        if v != 0:
+            idx[m] = g
+            val[m] = v
+            m += 1
+    largest_remainder_scratch(out[:m], val[:m], cap, key, sel)
+    for i in range(m):
+        send[idx[i], n] = out[i]
+
+
+@njit
+def cap_rows_kernel(send_GN, cap_N):
+    send = send_GN.copy()
+    G, N = send.shape
+    total = np.zeros(N, np.int64)
+    for g in range(G):
+        for n in range(N):
+            total[n] += send[g, n]
+    idx = np.empty(G, np.int64)
+    val = np.empty(G, np.int64)
+    out = np.empty(G, np.int64)
+    key = np.empty(G, np.int64)
+    sel = np.empty(G, np.int64)
+    for n in range(N):
+        if total[n] > cap_N[n]:
+            cap_column(send, n, 0, G, cap_N[n], idx, val, out, key, sel)
+    return send
+
+
+@njit
+def largest_remainder_cols_kernel(total_N, w_GN):
+    G, N = w_GN.shape
+    out_GN = np.empty((G, N), np.int64)
+    col = np.empty(G, np.int64)
+    out = np.empty(G, np.int64)
+    for n in range(N):
+        for g in range(G):
+            col[g] = w_GN[g, n]
+        largest_remainder_into(out, col, total_N[n])
+        for g in range(G):
+            out_GN[g, n] = out[g]
+    return out_GN
+
+
+@njit
+def largest_remainder_groups_kernel(total_K, w_M, group_M):
+    K = total_K.size
+    start, members = expert_columns(group_M, K)
+    out = np.empty(w_M.size, np.int64)
+    for k in range(K):
+        a, b = start[k], start[k + 1]
+        w = np.empty(b - a, np.int64)
+        for i in range(a, b):
+            w[i - a] = w_M[members[i]]
+        part = np.empty(b - a, np.int64)
+        largest_remainder_into(part, w, total_K[k])
+        for i in range(a, b):
+            out[members[i]] = part[i - a]
+    return out
+
+
+@njit
+def locality_split_kernel(d_GE, expert_N, rank_N, quota_N):
+    """:func:`locality_split_replicas` (instance e is expert e's owner; an expert's replicas in
+    column order). Returns (send, -1) or (send, e) for the first expert whose split is impossible."""
+    G, E = d_GE.shape
+    N = expert_N.size
+    send = np.zeros((G, N), np.int64)
+    for g in range(G):  # an expert without replicas: its owner takes every pair (row-major copy)
+        for e in range(E):
+            send[g, e] = d_GE[g, e]
+    start, cols = expert_columns(expert_N, E)
+    rem = np.empty(G, np.int64)
+    alloc = np.empty(G, np.int64)
+    key = np.empty(G, np.int64)
+    sel = np.empty(G, np.int64)
+    for e in range(E):
+        a, b = start[e], start[e + 1]
+        if b - a < 2:
+            continue
+        for g in range(G):
+            rem[g] = d_GE[g, e]
+        # cols[a] is the owner (column e < E), then the replicas in column order
+        for i in range(a + 1, b):  # pass 1: pairs already on the host rank
+            n = cols[i]
+            r = rank_N[n]
+            take = quota_N[n] if quota_N[n] < rem[r] else rem[r]
+            send[r, n] = take
+            rem[r] -= take
+        for i in range(a + 1, b):  # pass 2: the rest of the quota, largest remainder over the sources
+            n = cols[i]
+            need = quota_N[n] - send[rank_N[n], n]
+            if need == 0:
+                continue
+            W = 0
+            for g in range(G):
+                W += rem[g]
+            if W <= 0:
+                return send, e
+            largest_remainder_scratch(alloc, rem, need, key, sel)
+            for g in range(G):
+                send[g, n] += alloc[g]
+                rem[g] -= alloc[g]
+        for g in range(G):
+            send[g, e] = rem[g]
+    return send, -1
+
+
+# A binary min-heap over (key, index) pairs in two arrays, ordered as Python orders the tuples
+# (heapq's order): the compiled planners' priority queues.
+@njit
+def heap_before(keys, idx, a, b):
+    """Whether entry a of the heap orders before entry b: (key, index) compared as a tuple."""
+    return keys[a] < keys[b] or (keys[a] == keys[b] and idx[a] < idx[b])
+
+
+@njit
+def heap_push(keys, idx, size, key, i):
+    """Push (key, i) on the binary min-heap keys[:size], idx[:size] (ordered as tuples); new size."""
+    keys[size] = key
+    idx[size] = i
+    c = size
+    while c > 0:
+        p = (c - 1) // 2
+        if heap_before(keys, idx, c, p):
+            keys[c], keys[p] = keys[p], keys[c]
+            idx[c], idx[p] = idx[p], idx[c]
+            c = p
+        else:
+            break
+    return size + 1
+
+
+@njit
+def heap_pop(keys, idx, size):
+    """Remove the smallest (key, i) of the heap; returns (i, new size)."""
+    top = idx[0]
+    size -= 1
+    keys[0] = keys[size]
+    idx[0] = idx[size]
+    c = 0
+    while True:
+        left = 2 * c + 1
+        if left >= size:
+            break
+        m = left
+        if left + 1 < size and heap_before(keys, idx, left + 1, left):
+            m = left + 1
+        if heap_before(keys, idx, m, c):
+            keys[c], keys[m] = keys[m], keys[c]
+            idx[c], idx[m] = idx[m], idx[c]
+            c = m
+        else:
+            break
+    return top, size
+
+
 # ----------------------------------------------------------------------------- shared helpers
 def expert_sum(x_GN: np.ndarray, expert_N: np.ndarray, num_experts: int) -> np.ndarray:
     """Sum the instance columns of x_GN per expert -> [G, E]."""
-    x_GN = np.asarray(x_GN, dtype=np.int64)
-    expert_N = np.asarray(expert_N, dtype=np.int64)
+    x_GN = _int64(x_GN)
+    expert_N = _int64(expert_N)
     if x_GN.ndim != 2 or x_GN.shape[1] != expert_N.size:
         raise ValueError(f"x_GN must have one column per instance ({expert_N.size}), got shape {x_GN.shape}")
     if expert_N.size and (expert_N.min() < 0 or expert_N.max() >= num_experts):
         raise ValueError(f"instance experts must be in [0, {num_experts}), got {expert_N.min()}..{expert_N.max()}")
-    out = np.zeros((x_GN.shape[0], num_experts), dtype=np.int64)
-    np.add.at(out.T, expert_N, x_GN.T)
-    return out
+    return expert_sum_kernel(x_GN, expert_N, int(num_experts))
 
 
 def domain_peers(domain_G) -> list[list[int]]:
@@ -303,6 +822,8 @@ def largest_remainder(total: int, weights) -> np.ndarray:
         return np.zeros_like(w)
     if W <= 0:
         raise ValueError(f"cannot split {total} over zero weights")
+    if w.ndim == 1:
+        return largest_remainder_kernel(int(total), np.ascontiguousarray(w))
     base, rem = np.divmod(w * int(total), W)
     missing = int(total) - int(base.sum())
     base[np.argsort(-rem, kind="stable")[:missing]] += 1
@@ -323,9 +844,13 @@ def prefix_split(d_G, quota_N) -> np.ndarray:
 def prefix_split_experts(d_GE, expert_N, quota_N) -> np.ndarray:
     """:func:`prefix_split` of every expert at once: ``send[:, cols_e] == prefix_split(d_GE[:, e],
     quota_N[cols_e])`` for every expert e, cols_e its instance columns in ascending order."""
-    d_GE = np.asarray(d_GE, dtype=np.int64)
-    expert_N = np.asarray(expert_N, dtype=np.int64)
-    quota_N = np.asarray(quota_N, dtype=np.int64)
+    d_GE = _int64(d_GE)
+    expert_N = _int64(expert_N)
+    quota_N = _int64(quota_N)
+    if d_GE.ndim == 2 and expert_N.ndim == 1 and quota_N.shape == expert_N.shape and (
+            not expert_N.size or (0 <= expert_N.min() and expert_N.max() < d_GE.shape[1])) \
+            and not (d_GE < 0).any() and not (quota_N < 0).any():
+        return prefix_split_kernel(d_GE, expert_N, quota_N)
     s_end_GN = np.cumsum(d_GE, 0)[:, expert_N]
     s_start_GN = s_end_GN - d_GE[:, expert_N]
     order = np.argsort(expert_N, kind="stable")
@@ -367,40 +892,28 @@ def locality_split(d_G, rank_N, quota_N, rest: int = 0) -> np.ndarray:
 def largest_remainder_cols(total_N, w_GN) -> np.ndarray:
     """Column-wise :func:`largest_remainder`: ``out[:, n] == largest_remainder(total_N[n], w_GN[:, n])``
     for every column n, in one pass (same ties: the lower row index)."""
-    w = np.asarray(w_GN, dtype=np.int64)
-    t = np.broadcast_to(np.asarray(total_N, dtype=np.int64), (w.shape[1],))
+    w = _int64(w_GN)
+    t = np.ascontiguousarray(np.broadcast_to(np.asarray(total_N, dtype=np.int64), (w.shape[1],)))
     W = w.sum(0)
     bad = (W <= 0) & (t != 0)
     if bad.any():
         n = int(np.flatnonzero(bad)[0])
         raise ValueError(f"cannot split {int(t[n])} over zero weights")
-    base, rem = np.divmod(w * t, np.where(W > 0, W, 1))
-    missing = t - base.sum(0)
-    order = np.argsort(-rem, axis=0, kind="stable")
-    rank = np.empty_like(order)
-    np.put_along_axis(rank, order, np.arange(w.shape[0])[:, None], axis=0)
-    return base + (rank < missing)
+    return largest_remainder_cols_kernel(t, w)
 
 
 def largest_remainder_groups(total_K, w_M, group_M) -> np.ndarray:
     """Grouped :func:`largest_remainder` over a flat array: the elements of group k (``group_M == k``,
     in array order) get ``largest_remainder(total_K[k], w_M[group_M == k])``."""
-    w = np.asarray(w_M, dtype=np.int64)
-    g = np.asarray(group_M, dtype=np.int64)
-    t_K = np.asarray(total_K, dtype=np.int64)
+    w = _int64(w_M)
+    g = _int64(group_M)
+    t_K = _int64(total_K)
     W_K = np.bincount(g, weights=w, minlength=len(t_K)).astype(np.int64)
     bad = (W_K <= 0) & (t_K != 0)
     if bad.any():
         k = int(np.flatnonzero(bad)[0])
         raise ValueError(f"cannot split {int(t_K[k])} over zero weights")
-    t, W = t_K[g], np.where(W_K > 0, W_K, 1)[g]
-    base, rem = np.divmod(w * t, W)
-    missing_K = t_K - np.bincount(g, weights=base, minlength=len(t_K)).astype(np.int64)
-    order = np.lexsort((np.arange(w.size), -rem, g))  # by group, then descending remainder, then index
-    start_K = np.searchsorted(g[order], np.arange(len(t_K)))
-    rank = np.empty_like(order)
-    rank[order] = np.arange(w.size) - start_K[g[order]]
-    return base + (rank < missing_K[g])
+    return largest_remainder_groups_kernel(t_K, w, g)
 
 
 def locality_split_replicas(d_GE, expert_N, rank_N, quota_N) -> np.ndarray:
@@ -408,48 +921,28 @@ def locality_split_replicas(d_GE, expert_N, rank_N, quota_N) -> np.ndarray:
     :func:`replica_instances` (instance e is expert e's owner, the ``rest``; replicas follow in
     order). Returns send [G, N]; ``send[:, cols_e] == locality_split(d_GE[:, e], rank_N[cols_e],
     quota_N[cols_e])`` for every expert e with instance columns cols_e (owner first)."""
-    d_GE = np.asarray(d_GE, dtype=np.int64)
-    expert_N = np.asarray(expert_N, dtype=np.int64)
-    rank_N = np.asarray(rank_N, dtype=np.int64)
-    quota_N = np.asarray(quota_N, dtype=np.int64)
-    G, E = d_GE.shape
-    N = expert_N.size
+    d_GE = _int64(d_GE)
+    expert_N = _int64(expert_N)
+    rank_N = _int64(rank_N)
+    quota_N = _int64(quota_N)
+    E = d_GE.shape[1]
     q_E = np.bincount(expert_N, weights=quota_N, minlength=E).astype(np.int64)
     bad = np.flatnonzero(q_E != d_GE.sum(0))
     if bad.size:
         e = int(bad[0])
         raise ValueError(f"instance quotas sum to {int(q_E[e])}, demand to {int(d_GE[:, e].sum())}")
-    rem = d_GE.copy()
-    send = np.zeros((G, N), dtype=np.int64)
-    reps = np.arange(E, N)
-    # j-th replica of its expert: replicas of one expert are contiguous and in order
-    rep_ex = expert_N[reps]
-    first = np.searchsorted(rep_ex, rep_ex)
-    j_R = np.arange(reps.size) - first
-    rounds = [reps[j_R == j] for j in range(int(j_R.max(initial=-1)) + 1)]
-    for cols in rounds:  # pass 1: pairs already on the host rank (in replica order per expert)
-        e, r = expert_N[cols], rank_N[cols]
-        take = np.minimum(quota_N[cols], rem[r, e])
-        send[r, cols] = take
-        rem[r, e] -= take
-    for cols in rounds:  # pass 2: the rest of each quota, largest remainder over the sources' pairs
-        e = expert_N[cols]
-        alloc = largest_remainder_cols(quota_N[cols] - send[:, cols].sum(0), rem[:, e])
-        send[:, cols] += alloc
-        rem[:, e] -= alloc
-    send[:, :E] = rem
+    send, e = locality_split_kernel(d_GE, expert_N, rank_N, quota_N)
+    if e >= 0:
+        raise ValueError(f"cannot split the quota of a replica of expert {e} over zero weights")
     return send
 
 
 def cap_rows(send_GN: np.ndarray, cap) -> np.ndarray:
     """Drop over capacity: each instance keeps at most ``cap`` rows (scalar or [N]), trimmed
     proportionally over its sources (largest remainder)."""
-    send = send_GN.copy()
-    cap_N = np.broadcast_to(np.asarray(cap, dtype=np.int64), (send.shape[1],))
-    over = np.flatnonzero(send.sum(0) > cap_N)
-    if over.size:
-        send[:, over] = largest_remainder_cols(cap_N[over], send[:, over])
-    return send
+    send = _int64(send_GN)
+    cap_N = np.ascontiguousarray(np.broadcast_to(np.asarray(cap, dtype=np.int64), (send.shape[1],)))
+    return cap_rows_kernel(send, cap_N)
 
 
 def owned_layout(cluster: Cluster, dims: ModelDims, policy: str) -> int:
@@ -472,6 +965,50 @@ def _owner_instances(num_experts: int, experts_per_rank: int) -> tuple[Instance,
     # Built once per layout (Instance is frozen, so sharing is safe): constructing 128 of them
     # costs more than a small plan.
     return tuple(Instance(e, e // experts_per_rank, e % experts_per_rank, False) for e in range(num_experts))
+
+
+def owner_layout(cluster: Cluster, dims: ModelDims, policy: str) -> Instances:
+    """:func:`owner_instances` as :class:`Instances` (one shared read-only object per layout)."""
+    return _owner_layout(dims.num_experts, owned_layout(cluster, dims, policy))
+
+
+@functools.lru_cache(maxsize=64)
+def _owner_layout(num_experts: int, experts_per_rank: int) -> Instances:
+    e = np.arange(num_experts, dtype=np.int64)
+    return Instances(e, e // experts_per_rank, e % experts_per_rank, np.zeros(num_experts, dtype=np.bool_))
+
+
+@njit
+def replica_slots(expert_N, rank_N, num_ranks, experts_per_rank, slots_per_rank):
+    """Slots of the owner-plus-replicas layout (:func:`replica_instances`): owner e in slot e % (E/G),
+    replicas in the slots after the owned ones, in column order. Returns (slot_N, -1), or
+    (slot_N, n) for the first replica column n whose rank has no free slot."""
+    N = expert_N.size
+    E = num_ranks * experts_per_rank
+    slot_N = np.empty(N, np.int64)
+    used = np.full(num_ranks, experts_per_rank, np.int64)
+    for n in range(N):
+        if n < E:
+            slot_N[n] = n % experts_per_rank
+            continue
+        t = rank_N[n]
+        if used[t] >= slots_per_rank:
+            return slot_N, n
+        slot_N[n] = used[t]
+        used[t] += 1
+    return slot_N, -1
+
+
+def replica_layout(cluster: Cluster, dims: ModelDims, expert_N, rank_N, policy: str) -> Instances:
+    """:func:`replica_instances` from the instance columns of :func:`replica_columns` (owners 0..E-1,
+    then replicas by expert): the same instances, as :class:`Instances`."""
+    epr = owned_layout(cluster, dims, policy)
+    expert_N, rank_N = _int64(expert_N), _int64(rank_N)
+    slot_N, bad = replica_slots(expert_N, rank_N, cluster.num_ranks, epr, cluster.slots_per_rank)
+    if bad >= 0:
+        raise ValueError(f"{policy}: rank {int(rank_N[bad])} has no free slot for a replica of expert "
+                         f"{int(expert_N[bad])}")
+    return Instances(expert_N, rank_N, slot_N, np.arange(expert_N.size) >= dims.num_experts)
 
 
 def replica_instances(cluster: Cluster, dims: ModelDims, hosts_E,
@@ -513,25 +1050,140 @@ def domain_receivers(domain_G) -> list[list[int]]:
     return [[u for u in peers if u != r] for r, peers in enumerate(domain_peers(domain_G))]
 
 
+@njit
+def assemble(demand_GE, send_GN, quota_GN, same, expert_N, rank_N, slot_N, is_replica_N, num_experts, consts):
+    """Plan assembly in one pass over the counts: the forward drops, the memory (as
+    :func:`lrmoe.planning.memory.plan_memory`, pairs from the demand) and Plan.check's verdict
+    (0 or an error code of _CHECK_ERRORS; ``same``: quota is send)."""
+    G, N = send_GN.shape
+    E = num_experts
+    empty = np.zeros(0, np.int64)
+    err = check_instances(expert_N, rank_N, slot_N, is_replica_N, G, E)
+    dropped = np.zeros((G, E), np.int64)
+    if err:
+        return dropped, empty, empty, empty, empty, empty, 0, err
+    sent_G = np.zeros(G, np.int64)
+    recv_N = np.zeros(N, np.int64)
+    pairs_G = np.zeros(G, np.int64)
+    for g in range(G):
+        acc = 0
+        for n in range(N):
+            v = send_GN[g, n]
+            if v != 0:
+                if v < 0:
+                    err = 3
+                acc += v
+                recv_N[n] += v
+                dropped[g, expert_N[n]] -= v
+        sent_G[g] = acc
+        p = 0
+        for e in range(E):
+            d = demand_GE[g, e]
+            p += d
+            v = dropped[g, e] + d
+            if v < 0:
+                err = 3
+            dropped[g, e] = v
+        pairs_G[g] = p
+    if err:
+        return dropped, empty, empty, empty, empty, empty, 0, err
+    kept_G, kept_N = sent_G, recv_N
+    if not same:
+        kept_G = np.zeros(G, np.int64)
+        kept_N = np.zeros(N, np.int64)
+        for g in range(G):
+            acc = 0
+            for n in range(N):
+                q = quota_GN[g, n]
+                if q < 0 or q > send_GN[g, n]:
+                    err = 4
+                acc += q
+                kept_N[n] += q
+            kept_G[g] = acc
+        if err:
+            return dropped, empty, empty, empty, empty, empty, 0, err
+    base, reps, dispatch, saved, backward, peak = memory_from_counts(rank_N, is_replica_N, recv_N, kept_N, sent_G,
+                                                                     kept_G, pairs_G, G, consts)
+    return dropped, base, reps, dispatch, saved, backward, peak, 0
+
+
+@njit
+def keep_all_peak(demand_GE, send_GN, rank_N, is_replica_N, consts):
+    """The memory peak of the plan that sends ``send_GN`` and keeps every pair sent (what
+    :func:`make_plan` would report), without assembling it: the budget fallbacks' probes."""
+    G, N = send_GN.shape
+    sent_G = np.zeros(G, np.int64)
+    recv_N = np.zeros(N, np.int64)
+    pairs_G = np.zeros(G, np.int64)
+    for g in range(G):
+        acc = 0
+        for n in range(N):
+            v = send_GN[g, n]
+            acc += v
+            recv_N[n] += v
+        sent_G[g] = acc
+        p = 0
+        for e in range(demand_GE.shape[1]):
+            p += demand_GE[g, e]
+        pairs_G[g] = p
+    return memory_from_counts(rank_N, is_replica_N, recv_N, recv_N, sent_G, sent_G, pairs_G, G, consts)[5]
+
+
 def make_plan(policy: str, demand_GE, cluster: Cluster, dims: ModelDims, budget_bytes: float, instances,
               send_GN, backward_quota_GN=None, *, optimizer_on_gpu: bool = True, info: dict | None = None,
               state: Any = None) -> Plan:
     """Assemble and check a plan: drops and memory are derived from the counts.
+    ``instances``: :class:`Instances` or an iterable of :class:`Instance`.
     ``backward_quota_GN`` defaults to ``send_GN`` (keep every pair)."""
-    instances = tuple(instances)
+    inst = Instances.of(instances)
     send_GN = np.asarray(send_GN, dtype=np.int64)
     quota_GN = send_GN if backward_quota_GN is None else np.asarray(backward_quota_GN, dtype=np.int64)
-    ex = np.array([i.expert for i in instances], dtype=np.int64)
-    mem = plan_memory(dims, cluster.num_ranks, [i.rank for i in instances], [i.is_replica for i in instances],
-                      send_GN, quota_GN, optimizer_on_gpu=optimizer_on_gpu, pairs_G=np.asarray(demand_GE).sum(1))
-    plan = Plan(policy, demand_GE, instances, send_GN, quota_GN, demand_GE - expert_sum(send_GN, ex, dims.num_experts),
-                mem, budget_bytes, over_budget=mem.peak > budget_bytes, info=dict(info or {}), state=state)
-    return plan.check()
+    G, E, N = cluster.num_ranks, dims.num_experts, len(inst)
+    ex = inst.expert_N
+    if send_GN.ndim != 2 or send_GN.shape[1] != N:
+        raise ValueError(f"x_GN must have one column per instance ({N}), got shape {send_GN.shape}")
+    if N and (ex.min() < 0 or ex.max() >= E):
+        raise ValueError(f"instance experts must be in [0, {E}), got {ex.min()}..{ex.max()}")
+    d = np.asarray(demand_GE)
+    if d.shape != (G, E) or send_GN.shape != (G, N) or quota_GN.shape != (G, N):
+        raise ValueError(f"plan {policy}: count matrices have the wrong shapes")
+    same = quota_GN is send_GN
+    send_c = np.ascontiguousarray(send_GN)
+    dropped, base, reps, dispatch, saved, backward, peak, err = assemble(
+        _int64(d), send_c, send_c if same else np.ascontiguousarray(quota_GN), same, ex, inst.rank_N, inst.slot_N,
+        inst.is_replica_N, E, memory_constants(dims, bool(optimizer_on_gpu)))
+    if err:
+        raise ValueError(f"plan {policy}: {_CHECK_ERRORS[err]}")
+    mem = MemoryBreakdown.of(base, reps, dispatch, saved, backward, peak)
+    return Plan(policy, demand_GE, inst, send_GN, quota_GN, dropped, mem, budget_bytes, over_budget=peak > budget_bytes,
+                info=dict(info) if info else {}, state=state)
+
+
+@njit
+def split_piece_kernel(demand_GE, n):
+    out = np.empty_like(demand_GE)
+    G, E = demand_GE.shape
+    for g in range(G):
+        for e in range(E):
+            q, r = divmod_nonneg(demand_GE[g, e], n)
+            out[g, e] = q + (r > 0)
+    return out
 
 
 def split_piece(demand_GE: np.ndarray, n: int) -> np.ndarray:
     """The largest of n microbatch pieces: every count split as evenly as possible (ceil)."""
+    if demand_GE.dtype == _INT64 and demand_GE.ndim == 2 and demand_GE.flags.c_contiguous and n > 0:
+        return split_piece_kernel(demand_GE, int(n))
     return -(-demand_GE // n)
+
+
+def replace_plan(plan: Plan, **changes) -> Plan:
+    """``dataclasses.replace`` for a :class:`Plan` without its per-call introspection (the fields
+    are copied as they are; Plan has no ``__post_init__``)."""
+    new = object.__new__(Plan)
+    new.__dict__.update(plan.__dict__)
+    new.__dict__.update(changes)
+    return new
 
 
 FALLBACKS = ("split", "drop", "oom")
@@ -558,7 +1210,7 @@ def resolve_budget(build: Callable[[np.ndarray, int | None], Plan], demand_GE: n
     plan = build(demand_GE, None)
     if plan.fits:
         return plan
-    oom = dataclasses.replace(plan, over_budget=True, fallback="oom")
+    oom = replace_plan(plan, over_budget=True, fallback="oom")
     built: dict[tuple, Plan] = {}  # every probe's plan when fits is not given (the answer is one of them)
 
     def plan_of(d_GE, row_cap) -> Plan:
@@ -578,8 +1230,7 @@ def resolve_budget(build: Callable[[np.ndarray, int | None], Plan], demand_GE: n
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(demand_GE, mid) else (lo, mid)
         best = plan_of(demand_GE, lo)
-        return dataclasses.replace(best, over_budget=True, fallback="drop_over_capacity",
-                                   info={**best.info, "row_cap": lo})
+        return replace_plan(best, over_budget=True, fallback="drop_over_capacity", info={**best.info, "row_cap": lo})
     if fallback == "split":
         lo, hi = 1, None  # lo pieces do not fit, hi pieces do
         while hi is None and lo < max_split:
@@ -594,5 +1245,5 @@ def resolve_budget(build: Callable[[np.ndarray, int | None], Plan], demand_GE: n
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if fits(split_piece(demand_GE, mid), None) else (mid, hi)
         best = plan_of(split_piece(demand_GE, hi), None)
-        return dataclasses.replace(best, over_budget=True, fallback=f"split_microbatch:{hi}", num_splits=hi)
+        return replace_plan(best, over_budget=True, fallback=f"split_microbatch:{hi}", num_splits=hi)
     return oom
