@@ -91,39 +91,50 @@ def tables(records: list[dict], meta: dict) -> tuple[str, str]:
 
 
 def figure_a1(records: list[dict], out: Path) -> list[Path]:
-    """Relative error against drop ratio: one panel per checkpoint x expert weight, one line per
-    scorer (colour; lrm per phi) and selection (solid: top, dashed: sample); end to end, with the
-    layer-local error as thin dotted lines of the same colour."""
+    """End-to-end relative error against drop ratio, faceted so that no panel holds more than six
+    lines: one column per checkpoint x selection rule (top-quota: solid; sampled: dashed), one row
+    per expert weight, one colour per scorer (LRM per φ) in every panel. The layer-local error is in
+    probe.md, not drawn."""
     plt, sns = pyplot()
+    from matplotlib.lines import Line2D
+
     checkpoints = list(dict.fromkeys(r["checkpoint"] for r in records))
     params = ["gate_up", "down"]
-    colour_keys = list(dict.fromkeys(variant_name(r).split("/")[0] for r in records))
+    order = _order(records)
+    colour_keys = list(dict.fromkeys(v.split("/")[0] for v in order))
     colours = dict(zip(colour_keys, sns.color_palette("tab10", len(colour_keys))))
-    fig, axes = plt.subplots(len(params), len(checkpoints), figsize=(5.2 * len(checkpoints), 7.4), squeeze=False,
-                             sharex=True)
+    selections = [sel for sel in ("top", "sample") if any(v.endswith("/" + sel) for v in order)]
+    cols = [(c, sel) for c in checkpoints for sel in selections]
+    fig, axes = plt.subplots(len(params), len(cols), figsize=(4.1 * len(cols), 6.6), squeeze=False)
     drops = sorted({r["drop_ratio"] for r in records})
-    for j, c in enumerate(checkpoints):
+    sel_name = {"top": "top-quota selection", "sample": "sampled selection (unbiased, 1/π scaled)"}
+    for j, (c, sel) in enumerate(cols):
         for i, p in enumerate(params):
             ax = axes[i][j]
-            m, ml = layer_means(records, "rel_err", (p,)), layer_means(records, "rel_err_local", (p,))
-            for v in _order(records):
+            m = layer_means(records, "rel_err", (p,))
+            for v in order:
+                base, vs = v.split("/")
                 xs = [d for d in drops if (c, v, d) in m]
-                if not xs:
+                if vs != sel or not xs:
                     continue
-                base, sel = v.split("/")
                 ax.plot(xs, [m[(c, v, d)] for d in xs], marker="o" if sel == "top" else "x", markersize=3.5,
-                        linestyle="-" if sel == "top" else "--", color=colours[base], label=v, linewidth=1.4)
-                ax.plot(xs, [ml[(c, v, d)] for d in xs], linestyle=":", color=colours[base], linewidth=0.8)
-            ax.set_title(f"{c} model: {p}_proj", fontsize=10)
+                        linestyle="-" if sel == "top" else "--", color=colours[base], linewidth=1.4)
+            ax.set_title(f"{c} model, {p}_proj\n{sel_name.get(sel, sel)}", fontsize=9)
             ax.set_xlabel("drop ratio")
-            ax.tick_params(labelbottom=True)  # sharex hides the upper rows' tick labels; each panel reads alone
-            ax.set_ylabel("||G - G_full|| / ||G_full||")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize=8, frameon=False,
-               bbox_to_anchor=(0.5, -0.06))
-    fig.suptitle("Figure A1: expert weight gradient error vs drop ratio (mean over MoE layers; solid: top-quota, "
-                 "dashed: sampled; dotted: layer-local)", fontsize=9)
-    fig.tight_layout()
+            ax.set_xticks([d for d in drops if d in (0.0, 0.2, 0.5, 0.7, 0.9)] or drops)
+            ax.set_ylim(bottom=0)
+            if j == 0:
+                ax.set_ylabel("relative error of the expert\nweight gradient ‖G − G_full‖ / ‖G_full‖", fontsize=8)
+    handles = [Line2D([], [], color=colours[k], lw=2) for k in colour_keys]
+    labels = list(colour_keys)
+    handles += [Line2D([], [], color="0.3", ls="-", marker="o", ms=3.5), Line2D([], [], color="0.3", ls="--", marker="x",
+                                                                                 ms=3.5)]
+    labels += ["solid: top-quota", "dashed: sampled"]
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False,
+               bbox_to_anchor=(0.5, -0.01))
+    fig.suptitle("Figure A1 (measured, float32, cpu scale; not in the paper): expert weight gradient error against "
+                 "the full backward, end to end, mean over MoE layers; colour: scorer (LRM per φ)", fontsize=9)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     paths = save_figure(fig, out, "figure_a1")
     plt.close(fig)
     return paths

@@ -54,19 +54,33 @@ def _f(v, d=2):
     return "—" if v is None else f"{v:.{d}f}"
 
 
+PAPER_T4_MODEL = "qwen3"  # the paper's T4 is Qwen3-30B-A3B's (its 0.42 GiB base is that model's per-layer base)
+
+
+def paper_t4_applies(result: dict) -> bool:
+    """The paper's T4 numbers belong beside a scenario of its model (Qwen3-30B-A3B) only."""
+    return str(result["scenario"].get("model", "")).startswith(PAPER_T4_MODEL)
+
+
 def t4_rows(result: dict, paper: dict) -> list[list[str]]:
-    p = paper.get("T4", {})
+    p = paper.get("T4", {}) if paper_t4_applies(result) else {}
     rows = []
     for name, m in result["methods"].items():
         mem, pn = m["memory_gib"], PAPER_NAMES.get(name, name)
-        rows.append([name, _f(mem["base"]), _f(mem["replicas"]), _f(mem["tokens"]), _f(mem["subtotal"]),
-                     _f(m["memory_gib_max"]["subtotal"]), _f(p.get("token_buffers", {}).get(pn)),
-                     _f(p.get("subtotal", {}).get(pn))])
+        row = [name, _f(mem["base"]), _f(mem["replicas"]), _f(mem["tokens"]), _f(mem["subtotal"]),
+               _f(m["memory_gib_max"]["subtotal"])]
+        if p:
+            row += [_f(p.get("token_buffers", {}).get(pn)), _f(p.get("subtotal", {}).get(pn))]
+        rows.append(row)
     return rows
 
 
 T4_HEAD = ["method", "base GiB", "replicas GiB", "tokens GiB", "subtotal GiB (median)", "subtotal GiB (max)",
            "paper tokens", "paper subtotal"]
+
+
+def t4_head(result: dict) -> list[str]:
+    return T4_HEAD if paper_t4_applies(result) else T4_HEAD[:-2]
 
 
 def t5_rows(result: dict, paper: dict) -> list[list[str]]:
@@ -163,8 +177,11 @@ def make_tables(result: dict, paper: dict, out: Path) -> list[Path]:
     else:
         want = result["scenario"].get("tables", ())
         if "T4" in want:
-            tables.append(("T4", f"T4 {name}: memory of the executed plans per GPU (worst rank; median over "
-                                 "steps and layers)", T4_HEAD, t4_rows(result, paper)))
+            note = ("" if paper_t4_applies(result) else "; the paper reports T4 for Qwen3-30B-A3B only, so no paper "
+                    "column here (see paper-qwen3)")
+            tables.append(("T4", f"T4 {name}: memory of the executed plans per GPU and per MoE layer (GiB for one "
+                                 f"MoE layer's experts and token buffers, not the whole model; worst rank; median "
+                                 f"over steps and layers){note}", t4_head(result), t4_rows(result, paper)))
         if "T5" in want:
             tables.append(("T5", f"T5 {name}: time per MoE layer (mean over steps and layers; ms)", T5_HEAD,
                            t5_rows(result, paper)))
@@ -187,41 +204,99 @@ def make_tables(result: dict, paper: dict, out: Path) -> list[Path]:
     return paths
 
 
+SWEEP_LABELS = {"drop_ratio": "LRMoE backward drop ratio (0.2 = C20; the baselines keep their full backward)",
+                "budget": "per-layer memory budget per GPU (GiB)",
+                "sigma": "routing skew: log-normal σ of expert popularity (0 = balanced)",
+                "ranks": "expert-parallel size (GPUs)"}
+METHOD_STYLE = {"fixed": ("C0", "o"), "symi": ("C1", "s"), "ultraep": ("C2", "^"), "lrmoe": ("C3", "D")}
+
+
+def _method_name(n: str) -> str:
+    return {"fixed": "fixed ownership (Megatron-LM)", "symi": "SYMI (capacity 1.0: drops pairs over it)", "ultraep": "UltraEP",
+            "lrmoe": "LRMoE (C20)"}.get(n, n)
+
+
 def make_figures(result: dict, paper: dict, out: Path) -> list[Path]:
-    """F3 (relative throughput against pressure) or F5 (speed-up against the swept field), PNG + PDF."""
-    plt, sns = pyplot()
-    name = result["scenario"]["name"]
-    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    """F3 (relative throughput against pressure) or F5 (MoE-layer time against the swept field), PNG + PDF."""
     if result.get("sweep"):
-        sw = result["sweep"]
-        for n in sw["points"][0]["methods"]:
-            ys = [_without_planning(p["methods"][n], "total_ms_per_layer") for p in sw["points"]]
-            ax.plot([p["value"] for p in sw["points"]], ys, marker="o", label=n)
-        ax.set_xlabel(sw["field"])
-        ax.set_ylabel("MoE-layer time per layer (ms, mean; planning excluded)")
-        stem = f"F5_{name}"
-    elif "throughput" in next(iter(result["methods"].values())) and len(result["scenario"]["pressures"]) > 1:
-        for i, (n, m) in enumerate(result["methods"].items()):
-            ks = list(m["throughput"])
-            color = f"C{i}"
-            ax.plot([float(k) for k in ks], [100 * m["throughput"][k]["relative"] for k in ks], marker="o", label=n,
-                    color=color)
-            if all("relative_without_planning" in m["throughput"][k] for k in ks) and n != "lrmoe":
-                ax.plot([float(k) for k in ks], [100 * m["throughput"][k]["relative_without_planning"] for k in ks],
-                        ls="--", marker=".", color=color, label=f"{n} (planning excluded)")
-        vals = paper.get("F3", {}).get("values", {})
-        for n in result["methods"]:
+        return _f5_figure(result, out)
+    if "throughput" in next(iter(result["methods"].values())) and len(result["scenario"]["pressures"]) > 1:
+        return _f3_figure(result, paper, out)
+    return []
+
+
+def _f5_figure(result: dict, out: Path) -> list[Path]:
+    plt, sns = pyplot()
+    name, sw = result["scenario"]["name"], result["sweep"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    xs = [p["value"] for p in sw["points"]]
+    for n in sw["points"][0]["methods"]:
+        ys = [_without_planning(p["methods"][n], "total_ms_per_layer") for p in sw["points"]]
+        color, marker = METHOD_STYLE.get(n, (None, "o"))
+        ax.plot(xs, ys, marker=marker, color=color, label=_method_name(n).replace(" (C20)", "" if sw["field"] ==
+                                                                                  "drop_ratio" else " (C20)"))
+    ax.set_xticks(xs)
+    ax.set_xticklabels([f"{v:g}" for v in xs])
+    ax.set_xlabel(SWEEP_LABELS.get(sw["field"], sw["field"]))
+    ax.set_ylabel("MoE-layer time per layer (ms)\nforward + backward, mean; planning excluded")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8, loc="lower left", frameon=True)
+    ax.set_title(f"F5 {name}: simulated ({result['hardware']['name']}, {result['scenario']['model']}), "
+                 f"not measured", fontsize=9)
+    fig.tight_layout()
+    paths = save_figure(fig, Path(out), f"F5_{name}")
+    plt.close(fig)
+    return paths
+
+
+def _f3_figure(result: dict, paper: dict, out: Path) -> list[Path]:
+    """Three panels: throughput relative to LRMoE with the planners' host time excluded (the paper's
+    reading: its planner is not host Python) and included, and the share of routed pairs each
+    method keeps in its backward (LRMoE's falls as pressure grows: that is how it keeps up)."""
+    plt, sns = pyplot()
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    name, methods = result["scenario"]["name"], result["methods"]
+    ks = list(next(iter(methods.values()))["throughput"])
+    xs = [float(k) for k in ks]
+    fig, axes = plt.subplots(1, 3, figsize=(13.5, 4.0))
+    vals = paper.get("F3", {}).get("values", {})
+    at = paper.get("F3", {}).get("pressure", 20)
+    panels = (("relative_without_planning", "(a) planning time excluded"),
+              ("relative", "(b) planning time included (this host's numpy planners)"))
+    for ax, (key, title) in zip(axes[:2], panels):
+        for n, m in methods.items():
+            if not all(key in m["throughput"][k] for k in ks):
+                continue
+            color, marker = METHOD_STYLE.get(n, (None, "o"))
+            ax.plot(xs, [100 * m["throughput"][k][key] for k in ks], marker=marker, color=color, label=_method_name(n))
             if PAPER_NAMES.get(n) in vals:
-                ax.scatter([paper["F3"].get("pressure", 20)], [vals[PAPER_NAMES[n]]], marker="x", color="k", zorder=5)
+                ax.scatter([at], [vals[PAPER_NAMES[n]]], marker="x", s=60, color=color, zorder=5, linewidths=2)
+        ax.set_ylabel("effective throughput\n(% of LRMoE's at the same pressure)")
+        ax.set_title(title, fontsize=9)
+    ax = axes[2]
+    for n, m in methods.items():
+        kept = [m["throughput"][k].get("kept_backward_share") for k in ks]
+        if all(v is not None for v in kept):
+            color, marker = METHOD_STYLE.get(n, (None, "o"))
+            ax.plot(xs, [100 * v for v in kept], marker=marker, color=color, label=_method_name(n))
+    ax.set_ylabel("routed pairs kept in the backward (%)")
+    ax.set_ylim(0, 105)
+    ax.set_title("(c) routed pairs each method computes in its backward", fontsize=9)
+    for ax in axes:
         ax.set_xscale("log")
-        ax.set_xlabel("batch-size pressure (x)")
-        ax.set_ylabel("throughput, % of LRMoE (x: paper)")
-        stem = f"F3_{name}"
-    else:
-        plt.close(fig)
-        return []
-    ax.legend(fontsize=7)
-    ax.set_title(f"{name} (simulated, {result['hardware']['name']})", fontsize=9)
-    paths = save_figure(fig, Path(out), stem)
+        ax.xaxis.set_major_locator(FixedLocator(xs))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xticklabels([f"{x:g}×" for x in xs])
+        ax.set_xlabel("batch-size pressure (× the unpressured batch)")
+    handles, labels = axes[0].get_legend_handles_labels()
+    handles.append(axes[0].scatter([], [], marker="x", color="k", linewidths=2))
+    labels.append(f"paper, at {at}× (colour: its method)")
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False,
+               bbox_to_anchor=(0.5, -0.02))
+    fig.suptitle(f"F3 {name}: simulated ({result['hardware']['name']}, {result['scenario']['model']}, "
+                 f"EP{result['scenario']['ranks']}), not measured; throughput = useful routed pairs per second", fontsize=10)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    paths = save_figure(fig, Path(out), f"F3_{name}")
     plt.close(fig)
     return paths

@@ -4,18 +4,23 @@ Definitions (docs/reproduce.md):
 * PPL of a step = exp(mean response-token cross-entropy of that optimizer step) on the training
   stream; a run's PPL = the mean of the per-step PPL over its final 10 % of steps (the paper: the
   mean over the final 1,000 of 10,000 steps).
-* T1 dPPL = PPL(Cxx) - PPL(C0), same family and seed (mean +- std when the preset has several E1 seeds).
-* T2 dPPL = PPL(C20, scorer) - PPL(C0) of the same seed, then mean +- std (sample std) over seeds.
+* T1 dPPL = PPL(Cxx) - PPL(C0), same family and seed, over the E1 seeds; a second column pairs
+  every seed that has both runs (the E2 LRM runs give C20 three seeds) under the kit's statistics
+  convention (lrmoe.stats: mean, 95 % t interval, Holm's correction across the table's comparisons).
+* T2 dPPL = PPL(C20, scorer) - PPL(C0) of the same seed, then the mean and 95 % Student t interval
+  over seeds, with the t test's p after Holm's correction across the table's ΔPPL comparisons.
   A second column measures the whole run: the mean over all steps of the per-step training-loss
   difference loss(C20, scorer) - loss(C0), same seed (nats; the area between the two loss
-  curves divided by the steps; steps without a loss in either run left out), mean +- std over
-  seeds. Loss, not PPL: the PPL of the first steps is in the hundreds and would outweigh the rest.
+  curves divided by the steps; steps without a loss in either run left out), summarised the same
+  way (its own Holm family). Loss, not PPL: the PPL of the first steps is in the hundreds and would
+  outweigh the rest.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 from lrmoe.files import write_text
+from lrmoe.stats import CONVENTION, estimate, fmt_p, holm
 
 from .results import FAMILY_NAMES, NOT_RUN, IncomparableRuns, Results, grouped_differences, level_name, mean_std
 
@@ -30,13 +35,25 @@ def _fmt(v, digits=6, sign=False):
     return f"{v:+.{digits}f}" if sign else f"{v:.{digits}f}"
 
 
-def _fmt_ms(m, s, n, digits=6):
-    if m is None:
+def _fmt_est(e: dict | None, digits=6) -> str:
+    """A paired estimate as the tables print it: ``mean [lo, hi] (n=3; p 0.41, Holm 1.00)``."""
+    if e is None or not e["n"]:
         return NOT_RUN
-    txt = f"{m:+.{digits}f}"
-    if s is not None:
-        txt += f" ± {s:.{digits}f}"
-    return txt + f" (n={n})"
+
+    def f(v):
+        return f"{v:+.{digits}f}".replace("-", "−")
+
+    txt = f(e["mean"]) + (f" [{f(e['lo'])}, {f(e['hi'])}]" if e["lo"] is not None else "")
+    if e.get("p") is None:
+        return txt + f" (n={e['n']}" + ("; one seed: no interval)" if e["n"] == 1 else ")")
+    return txt + f" (n={e['n']}; p {fmt_p(e['p'])}, Holm {fmt_p(e.get('p_holm'))})"
+
+
+def apply_holm(estimates: list[dict]) -> None:
+    """Set ``p_holm`` (and ``resolved_holm``) on estimate dicts: Holm's correction across them."""
+    for e, q in zip(estimates, holm(e.get("p") for e in estimates)):
+        e["p_holm"] = q
+        e["resolved_holm"] = q is not None and q < 0.05 and bool(e.get("resolved"))
 
 
 def _header(res: Results, key: str, title: str, paper_scale: str) -> list[str]:
@@ -130,25 +147,31 @@ def check_comparable(res: Results) -> None:
 def t1_data(res: Results) -> list[dict]:
     """Rows of T1: family, level, measured PPL (mean/std over E1 seeds), dPPL vs C0, paper."""
     seeds = res.seeds("e1_seeds")
+    every = sorted({*seeds, *res.seeds("e2_seeds", default=(0, 1, 2))})
     out = []
     for fam in res.families():
-        ppl = {}
+        ppl, allp = {}, {}
         for d in LEVELS:
             vals = {}
-            for s in seeds:
-                r = res.find(fam, d, "lrm", s)
+            for s in every:
+                r = res.find(fam, d, "lrm" if d > 0 else None, s)
                 v = r.ppl_window_mean() if r else None
                 if v is not None:
                     vals[s] = v
-            ppl[d] = vals
+            allp[d] = vals
+            ppl[d] = {s: v for s, v in vals.items() if s in seeds}
         for d in LEVELS:
             m, sd = mean_std(list(ppl[d].values()))
             deltas = [ppl[d][s] - ppl[0.0][s] for s in ppl[d] if s in ppl[0.0]]
             dm, dsd = mean_std(deltas)
             c0m = mean_std(list(ppl[0.0].values()))[0]
+            paired = None if d == 0.0 else estimate(
+                [allp[d][s] - allp[0.0][s] for s in sorted(allp[d]) if s in allp[0.0]]).to_dict()
             out.append({"family": fam, "level": level_name(d), "ppl": m, "ppl_std": sd, "n": len(ppl[d]),
                         "delta": dm, "delta_std": dsd,
-                        "delta_pct": (100 * dm / c0m) if (dm is not None and c0m) else None})
+                        "delta_pct": (100 * dm / c0m) if (dm is not None and c0m) else None,
+                        "delta_paired": paired})
+    apply_holm([r["delta_paired"] for r in out if r["delta_paired"] is not None])
     return out
 
 
@@ -156,7 +179,7 @@ def make_t1(res: Results, paper: dict, out: Path) -> list[Path]:
     p = paper["T1"]
     pv = p["values"]
     head = ["Model family", "Level", "PPL measured", "ΔPPL vs C0 measured", "Δ% measured",
-            "PPL paper", "Δ% paper"]
+            "ΔPPL vs C0, every seed with both runs: mean [95 % t] (n; p, Holm)", "PPL paper", "Δ% paper"]
     rows = []
     for r in t1_data(res):
         is_paper = r["family"] == p["model"]
@@ -164,14 +187,19 @@ def make_t1(res: Results, paper: dict, out: Path) -> list[Path]:
         paper_ppl = f"{pv[r['level']]:.6f}" if is_paper else "—"
         paper_pct = (f"{100 * (pv[r['level']] - pv['C0']) / pv['C0']:+.3f}" if is_paper else "—")
         rows.append([f"{FAMILY_NAMES.get(r['family'], r['family'])} ({res.model_of(r['family'])})", r["level"], ppl,
-                     _fmt(r["delta"], sign=True), _fmt(r["delta_pct"], 3, sign=True), paper_ppl, paper_pct])
+                     _fmt(r["delta"], sign=True), _fmt(r["delta_pct"], 3, sign=True),
+                     "—" if r["delta_paired"] is None else _fmt_est(r["delta_paired"]), paper_ppl, paper_pct])
     scale = (f"Qwen3-30B-A3B, 8× Hopper, {p['run_steps']:,} steps, mean over the final {p['window_steps']:,} steps "
              f"(the paper reports Qwen3 only; its Δ% column is computed from its PPL values, it states +0.106 % for C30)")
     md = _header(res, "T1", "Convergence by backward drop level (LRM scorer, waterfill quotas): mean per-token "
                              "training perplexity over the final 10 % of steps", scale)
-    md += [md_table(head, rows), ""]
+    seeds = ", ".join(map(str, res.seeds("e1_seeds")))
+    stats_line = (f"PPL, ΔPPL and Δ% measured: the E1 seed(s) {seeds}. The paired column pairs every seed that has "
+                  f"both the level's LRM run and C0 (the E2 runs give C20 more seeds); statistics: {CONVENTION} "
+                  f"(docs/statistics.md). One seed: no interval and no test.")
+    md += [md_table(head, rows), "", stats_line, ""]
     cap = (f"T1: convergence by drop level. Measured: preset {res.preset_name}, {res.scale()}, {res.hardware()}. "
-           f"Paper: {scale}.")
+           f"{stats_line} Paper: {scale}.")
     return write_table(out, "T1_convergence", md, tex_table(cap, "tab:t1", head, rows))
 
 
@@ -210,7 +238,10 @@ def t2_data(res: Results) -> list[dict]:
             wm, ws = mean_std(whole)
             out.append({"family": fam, "scorer": sc, "level": level_name(drop), "delta": fm, "delta_std": fs,
                         "n": len(final), "loss_gap_all": wm, "loss_gap_all_std": ws, "n_all": len(whole),
-                        "values": final, "values_all": whole})
+                        "values": final, "values_all": whole, "delta_est": estimate(final).to_dict(),
+                        "loss_gap_all_est": estimate(whole).to_dict()})
+    for key in ("delta_est", "loss_gap_all_est"):  # one Holm family per column kind, across the table
+        apply_holm([d[key] for d in out])
     return out
 
 
@@ -230,8 +261,8 @@ def make_t2(res: Results, paper: dict, out: Path) -> list[Path]:
         row = [SCORER_NAMES.get(sc, sc), by[(fams[0], sc)]["level"] if fams else ""]
         for f in fams:
             d = by.get((f, sc))
-            row.append(_fmt_ms(d["delta"], d["delta_std"], d["n"]) if d else NOT_RUN)
-            row.append(_fmt_ms(d["loss_gap_all"], d["loss_gap_all_std"], d["n_all"]) if d else NOT_RUN)
+            row.append(_fmt_est(d["delta_est"]) if d else NOT_RUN)
+            row.append(_fmt_est(d["loss_gap_all_est"], 4) if d else NOT_RUN)
             pv = p["values"].get(f, {}).get(sc)
             row.append(f"{pv:.6f}" if pv is not None else "—")
         rows.append(row)
@@ -245,16 +276,18 @@ def make_t2(res: Results, paper: dict, out: Path) -> list[Path]:
                                + "; paper " + " < ".join(SCORER_NAMES.get(sc, sc) for _, sc in sorted(pap)))
     scale = ("Qwen3-30B-A3B and GLM4.5-106B-A12B, 8× Hopper, 10,000-step runs; the paper's averaging window and "
              "drop level for this ablation are not stated in our sources")
-    md = _header(res, "T2", "Scorer ablation: ΔPPL vs C0 of the same seed (mean ± sample std (n−1) over seeds, "
-                            "n = seeds)",
+    stats_line = (f"Statistics (docs/statistics.md): {CONVENTION}. Holm's families: the {len(data)} ΔPPL cells "
+                  f"of this table, and separately its {len(data)} Δloss cells.")
+    md = _header(res, "T2", "Scorer ablation: ΔPPL vs C0 of the same seed (mean [95 % t interval] over seeds; "
+                            "n = seeds; p: t test against 0, Holm: after Holm's correction)",
                  scale)
-    md += [md_table(head, rows), "",
+    md += [md_table(head, rows), "", stats_line, "",
            "Δloss (mean over all steps): the training-loss difference to the C0 run of the same seed, averaged "
-           "over every step (the area between the two loss curves divided by the steps, in nats), then mean ± "
-           "sample std over seeds; it weighs the whole run, where the ΔPPL columns weigh its final 10 %.", ""]
+           "over every step (the area between the two loss curves divided by the steps, in nats), then the same "
+           "statistics; it weighs the whole run, where the ΔPPL columns weigh its final 10 %.", ""]
     md += order_lines + [""]
-    cap = (f"T2: scorer ablation, mean ± sample standard deviation (n−1) over seeds of the PPL difference to C0. "
-           f"Tables use booktabs. Measured: preset "
+    cap = (f"T2: scorer ablation, mean [95 % t interval] over seeds of the paired PPL difference to C0 of the "
+           f"same seed. {stats_line} Tables use booktabs. Measured: preset "
            f"{res.preset_name}, {res.scale()}, {res.hardware()}. Paper: {scale}.")
     return write_table(out, "T2_scorer_ablation", md, tex_table(cap, "tab:t2", head, rows))
 

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lrmoe.stats import estimate
+from lrmoe.stats import censored_median, estimate, fmt_p, holm
 from lrmoe.environment import hardware_label
 from lrmoe.files import read_json, write_json
 from lrmoe.run_folder import TRACE
@@ -275,9 +275,15 @@ def summarise(seeds: list[dict]) -> dict[str, list[dict]]:
         for j in range(len(seeds[0]["targets"])):
             rcs = [sd["methods"][pl]["reach"][j] for sd in seeds if pl in sd["methods"]]
             hit = [rc for rc in rcs if rc["step"] is not None]
-            cell = {"n": len(rcs), "reached": len(hit), "steps": estimate([rc["step"] for rc in hit]).to_dict()}
+            cell = {"n": len(rcs), "reached": len(hit), "steps": estimate([rc["step"] for rc in hit]).to_dict(),
+                    "steps_median": censored_median([rc["step"] for rc in rcs])[0]}
             for kind in KINDS:
                 cell[f"{kind}_s"] = estimate([rc[f"{kind}_s"] for rc in hit if rc[f"{kind}_s"] is not None]).to_dict()
+                # every seed counts: one that never reached the target is censored (ranked last), never dropped
+                untimed = any(rc["step"] is not None and rc[f"{kind}_s"] is None for rc in rcs)
+                cell[f"{kind}_median_s"] = None if untimed else censored_median(
+                    [None if rc["step"] is None else rc[f"{kind}_s"] for rc in rcs])[0]
+                cell[f"{kind}_untimed"] = untimed
                 exact = [rc[f"{kind}_vs_symi_pct"] for rc in rcs if rc[f"{kind}_vs_symi_pct"] is not None]
                 bounds = [rc[f"{kind}_vs_symi_pct_at_least"] for rc in rcs
                           if rc.get(f"{kind}_vs_symi_pct_at_least") is not None]
@@ -303,18 +309,36 @@ def t3_data(res: Results, say=None) -> list[dict]:
                     "torchrun": int(c0.config.get("ep") or 1) > 1, "measured_on": where,
                     "seeds": seeds, "summary": summarise(seeds), "fractions": list(TARGET_FRACTIONS),
                     "scenario": SCENARIO_OF[family], "hardware_model": HARDWARE})
+    _holm_vs_symi(out)
     return out
 
 
+def _holm_vs_symi(data: list[dict]) -> None:
+    """Holm's correction across the table's comparisons with SYMI, one family of tests per time
+    column (kind): every method × target × model cell with an exact paired reduction (no lower bound)
+    gets ``p_holm`` beside its t-test ``p``."""
+    for kind in KINDS:
+        ests = [c[f"{kind}_vs_symi_pct"] for fam in data for pl, cells in fam["summary"].items() if pl != "symi"
+                for c in cells if not c[f"{kind}_vs_symi_bounds"]]
+        for e, q in zip(ests, holm(e.get("p") for e in ests)):
+            e["p_holm"] = q
+            e["resolved_holm"] = q is not None and q < 0.05 and e["resolved"]
+
+
 # ----------------------------------------------------------------------------- T3
-def _mean(e: dict, cell: dict, fmt: str, scale: float = 1.0) -> str:
-    """A seed mean, with how many seeds it covers when not all of them reached the target."""
+def _median(cell: dict, key: str, fmt: str, scale: float = 1.0) -> str:
+    """The median over every seed, a seed that never reached the target censored (ranked last), and
+    how many reached it when not all did (lrmoe.stats.censored_median)."""
+    reached = f"reached {cell['reached']}/{cell['n']}"
     if not cell["reached"]:
-        return "not reached"
-    if e["mean"] is None:  # reached, but this kind has no time (a run without a trace: nothing simulated)
-        return "—"
-    v = format(e["mean"] / scale, fmt)
-    return v if cell["reached"] == cell["n"] else f"{v} ({cell['reached']}/{cell['n']} seeds)"
+        return f"not reached (0/{cell['n']})"
+    if key != "steps_median" and cell.get(key.replace("_median_s", "_untimed")):
+        return "—"  # reached, but this kind has no time (a run without a trace: nothing simulated)
+    v = cell[key]
+    if v is None:
+        return f"median not reached ({reached})"
+    v = format(v / scale, fmt)
+    return v if cell["reached"] == cell["n"] else f"{v} ({reached})"
 
 
 def _vs(cell: dict, kind: str, pl: str) -> str:
@@ -332,7 +356,8 @@ def _vs(cell: dict, kind: str, pl: str) -> str:
     if bounds:
         return f"> {e['mean']:+.1f}{note}"
     ci = f" [{e['lo']:+.1f}, {e['hi']:+.1f}]" if e["lo"] is not None else ""
-    return f"{e['mean']:+.1f}{ci}{note}"
+    holm_p = f"; Holm p {fmt_p(e['p_holm'])}" if e.get("p_holm") is not None else ""
+    return f"{e['mean']:+.1f}{ci}{note}{holm_p}"
 
 
 def _measured_line(fam: dict) -> str:
@@ -359,9 +384,10 @@ def make_t3(res: Results, paper: dict, out: Path, say=None) -> list[Path] | None
             for pl, cells in fam["summary"].items():
                 c = cells[j]
                 rows.append([FAMILY_NAMES.get(fam["family"], fam["family"]), f"{tg} ({100 * frac:.0f} %)",
-                             METHOD_NAMES.get(pl, pl), _mean(c["steps"], c, ".0f"), _mean(c["measured_s"], c, ".2f"),
-                             _vs(c, "measured", pl), _mean(c["simulated_s"], c, ".3f", 60),
-                             _vs(c, "simulated", pl), _mean(c["simulated_no_planning_s"], c, ".3f", 60),
+                             METHOD_NAMES.get(pl, pl), _median(c, "steps_median", ".0f"),
+                             _median(c, "measured_median_s", ".2f"),
+                             _vs(c, "measured", pl), _median(c, "simulated_median_s", ".3f", 60),
+                             _vs(c, "simulated", pl), _median(c, "simulated_no_planning_median_s", ".3f", 60),
                              _vs(c, "simulated_no_planning", pl)])
     q = p["qwen3_to_loss_0.02"]
     paper_line = (f"LRMoE needs {p['reduction_vs_symi_pct_range'][0]}–{p['reduction_vs_symi_pct_range'][1]} % less "
@@ -389,11 +415,14 @@ def make_t3(res: Results, paper: dict, out: Path, say=None) -> list[Path] | None
           f"dimensions and EP8 cluster (scenarios `paper-qwen3` / `paper-glm`); per-step time of the run's MoE layers "
           f"× the paper model's MoE layers / the run's; with every plan charged the median host time of its planner "
           f"(measured here), and without.  ",
-          f"*Over seeds*: steps and times are means over the seeds that reached the target (\"k/n seeds\": "
-          f"k of the n seeds did); *vs SYMI* is "
-          f"100 × (1 − time / SYMI's time) per seed against the same seed's SYMI run, then its mean and 95 % t "
-          f"interval over the seeds (lrmoe.stats); where SYMI never reaches a target, that seed's value is a "
-          f"lower bound from SYMI's whole run, and so is the mean (\"> x\").  ",
+          f"*Over seeds* (lrmoe.stats, docs/statistics.md): every seed counts. Steps and times are medians over "
+          f"all n seeds with a seed that never reached the target censored (ranked after every seed that did; "
+          f"\"reached k/n\"; \"median not reached\" when the median falls on such a seed), never means over "
+          f"the seeds that reached it. *vs SYMI* is 100 × (1 − time / SYMI's time) per seed against the same "
+          f"seed's SYMI run (a paired difference), then its mean and 95 % Student t interval over the seeds "
+          f"(uncorrected) and the t test's p after Holm's correction across this table's comparisons with SYMI "
+          f"of the same column; where SYMI never reaches a target, that seed's value is a lower bound from "
+          f"SYMI's whole run, and so is the mean (\"> x\"; no test).  ",
           f"*Paper*: {paper_line}.", "", md_table(head, rows), "",
           "What this can and cannot claim: the steps come from real training with each method's semantics (forward "
           "drops, backward quotas) at the preset's scale; the simulated minutes combine those steps with the run's "
@@ -414,10 +443,10 @@ def make_f4(res: Results, paper: dict, out: Path, say=None) -> list[Path] | None
     if not data:
         return None
     plt, sns = pyplot()
-    fig, axes = plt.subplots(len(data), 2, figsize=(11, 3.6 * len(data)), squeeze=False)
+    fig, axes = plt.subplots(len(data), 2, figsize=(12, 4.0 * len(data)), squeeze=False)
     colors = dict(zip(METHOD_ORDER, sns.color_palette("deep", len(METHOD_ORDER))))
     for row, fam in zip(axes, data):
-        for ax, kind, unit, scale in ((row[0], "measured_cum_s", "s", 1.0), (row[1], "simulated_cum_s", "min", 60.0)):
+        for ax, kind, unit, scale in ((row[0], "measured_cum_s", "s", 1.0), (row[1], "simulated_cum_s", "s", 1.0)):
             for k, sd in enumerate(fam["seeds"]):
                 for pl, m in sd["methods"].items():
                     if m[kind] is None:
@@ -427,7 +456,8 @@ def make_f4(res: Results, paper: dict, out: Path, say=None) -> list[Path] | None
             for j, frac in enumerate(fam["fractions"]):
                 tg = statistics.fmean(sd["targets"][j] for sd in fam["seeds"])
                 ax.axhline(tg, color="0.4", ls="--", lw=0.8)
-                ax.text(ax.get_xlim()[1], tg, f" C0 at {100 * frac:.0f} %", va="center", fontsize=7)
+                ax.text(ax.get_xlim()[1], tg, f" target {j + 1}: fixed\n at {100 * frac:.0f} % of its run", va="center",
+                        fontsize=6.5)
             name = FAMILY_NAMES.get(fam["family"], fam["family"])
             if kind == "measured_cum_s":
                 what = (f"(a) measured, {fam['ep']} × GPU" if fam["torchrun"]
@@ -435,8 +465,8 @@ def make_f4(res: Results, paper: dict, out: Path, say=None) -> list[Path] | None
             else:
                 what = f"(b) simulated: {HARDWARE}, paper dims, trace scaled"
             n = len(fam["seeds"])
-            ax.set_title(f"{name}: {what}" + (f" ({n} seeds, seed {fam['seeds'][0]['seed']} bold)" if n > 1 else ""),
-                         fontsize=9)
+            ax.set_title(f"{name}\n{what}" + (f"\n{n} seeds, seed {fam['seeds'][0]['seed']} bold" if n > 1 else ""),
+                         fontsize=8.5)
             ax.set_xlabel(f"cumulative MoE-layer time ({unit})")
             ax.set_ylabel(f"training loss (trailing mean, {fam['seeds'][0]['window']} steps)")
     handles = {}
@@ -444,7 +474,7 @@ def make_f4(res: Results, paper: dict, out: Path, say=None) -> list[Path] | None
         handles.update(zip(*ax.get_legend_handles_labels()[::-1]))
     fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=len(handles), fontsize=8,
                bbox_to_anchor=(0.5, -0.02))
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.tight_layout(rect=(0, 0.04, 1, 1), w_pad=6.0)
     files = save_figure(fig, out, "F4_loss_vs_moe_time")
     plt.close(fig)
     return files

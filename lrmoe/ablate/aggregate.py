@@ -23,7 +23,7 @@ from paper_figures.figures import pyplot, save_figure
 from paper_figures.results import FAMILY_NAMES, Run, paper_numbers
 from paper_figures.tables import SCORER_NAMES, md_table, write_table
 
-from ..stats import BOOTSTRAP_MIN, CONFIDENCE, estimate
+from ..stats import CONFIDENCE, CONVENTION, estimate, fmt_p, with_holm
 from .grid import Grid
 from .metrics import get_metric
 
@@ -91,17 +91,24 @@ def analyse(g: Grid, out) -> dict:
         for k in paired:
             sa, sb = seeds[k][a], seeds[k][b]
             common = sorted(set(sa) & set(sb))
-            est = estimate([sa[s] - sb[s] for s in common])
-            comp["metrics"][k] = dict(est.to_dict(), seeds=common, ordering=_ordering(est, da[axis], db[axis]))
+            comp["metrics"][k] = (estimate([sa[s] - sb[s] for s in common]), common)
         comparisons.append(comp)
+    # Holm's correction across the table's comparisons: one family of tests per metric and option
+    # (the scorer orderings are one family, the drop-ratio orderings another)
+    for k in paired:
+        for axis in dict.fromkeys(c["axis"] for c in comparisons):
+            fam = [c for c in comparisons if c["axis"] == axis]
+            for c, est in zip(fam, with_holm(c["metrics"][k][0] for c in fam)):
+                common = c["metrics"][k][1]
+                c["metrics"][k] = dict(est.to_dict(), seeds=common, holm_family=len(fam),
+                                       ordering=_ordering(est, c["a"], c["b"]))
     baselines = {}
     for fam in dict.fromkeys(c.coords["family"] for c in g.cells):
         ppl = [found["runs"][c.name].ppl_window_mean() for c in g.cells
                if c.is_baseline and c.coords["family"] == fam and c.name in found["runs"]]
         baselines[fam] = estimate([p for p in ppl if p is not None]).to_dict()
     return {"grid": g.to_dict(), "confidence": CONFIDENCE,
-            "statistics": f"paired differences over seeds; Student t interval for n < {BOOTSTRAP_MIN}, "
-                          f"BCa bootstrap (scipy.stats.bootstrap) from n = {BOOTSTRAP_MIN}",
+            "statistics": CONVENTION,
             "metrics": {k: {"label": get_metric(k).label, "unit": get_metric(k).unit, "help": get_metric(k).help}
                         for k in g.metrics},
             "baseline_ppl_final": baselines, "effects": effects, "comparisons": comparisons,
@@ -116,11 +123,14 @@ def _hardware(run: Run) -> str:
 
 
 def _ordering(est, a, b) -> str:
+    """The ordering after Holm's correction across the table's comparisons; one that only the
+    uncorrected interval resolves says so."""
     if est.n == 0:
         return NOT_RUN
     if not est.resolved:
         return "unresolved"
-    return f"{a} < {b}" if est.sign < 0 else f"{a} > {b}"
+    order = f"{a} < {b}" if est.sign < 0 else f"{a} > {b}"
+    return order if est.resolved_holm else f"unresolved after Holm (uncorrected: {order})"
 
 
 # ----------------------------------------------------------------------------- tables
@@ -173,22 +183,25 @@ def tables(a: dict, g: Grid) -> tuple[list[str], list[tuple[str, list, list]]]:
             row.append(_num(pv, 6, sign=False) if pv is not None else "—")
         rows.append(row)
     paired = [k for k in g.metrics if get_metric(k).paired]
-    chead = ["context", "option", "a vs b"] + [f"{get_metric(k).label}: a − b" for k in paired] + ["ordering"]
+    chead = (["context", "option", "a vs b"] + [f"{get_metric(k).label}: a − b" for k in paired]
+             + [f"p (t test) / Holm, {get_metric(paired[0]).label}" if paired else "p", "ordering (Holm)"])
     crow = []
     first = g.metrics[0]
     for c in a["comparisons"]:
         ctx = " ".join(_label(k, v) for k, v in c["context"].items())
         crow.append([ctx, c["axis"], f"{_label(c['axis'], c['a'])} vs {_label(c['axis'], c['b'])}"]
                     + [_cell(c["metrics"][k], get_metric(k).digits) for k in paired]
-                    + [c["metrics"][first]["ordering"]])
+                    + [f"{fmt_p(c['metrics'][first]['p'])} / {fmt_p(c['metrics'][first]['p_holm'])}",
+                       c["metrics"][first]["ordering"]])
     md = [f"**Ablation `{g.name}`** ({g.file}): {g.question}", "",
           f"*Measured* (this kit): grid preset `{g.preset.name}`, {_scale(g)}; hardware: "
           f"{'; '.join(a['hardware']) or 'no finished run'}.  ",
           f"Each value is a paired difference run − baseline of the same seed and family "
           f"(baseline: {', '.join(f'{k} = {v}' for k, v in g.baseline_options.items())}), then the mean over seeds "
-          f"with its {round(CONFIDENCE * 100)} % confidence interval: {a['statistics']} (docs/ablations.md). An "
-          f"ordering is resolved when the interval of the paired difference a − b excludes 0; it is judged on "
-          f"the first metric ({get_metric(first).label}).", ""]
+          f"with its {round(CONFIDENCE * 100)} % Student t interval (uncorrected). An ordering is resolved when "
+          f"the two-sided t test of the paired difference a − b gives p < 0.05 after Holm's correction across "
+          f"this table's comparisons of the same option ({_families(a)}); it is judged on the first metric "
+          f"({get_metric(first).label}). Convention: {a['statistics']} (docs/statistics.md).", ""]
     base = "; ".join(f"{FAMILY_NAMES.get(f, f)} {_cell(e, 6, sign=False)}" for f, e in a["baseline_ppl_final"].items())
     md += [f"Baseline training PPL (final 10 % of steps; mean [interval] over its seeds): {base}.", ""]
     if a["damaged"]:
@@ -204,6 +217,13 @@ def tables(a: dict, g: Grid) -> tuple[list[str], list[tuple[str, list, list]]]:
     tex = [(f"Ablation {g.name}: effects against the baseline ({g.question})", head, rows),
            (f"Ablation {g.name}: orderings (paired differences a - b)", chead, crow)]
     return md, tex
+
+
+def _families(a: dict) -> str:
+    counts = {}
+    for c in a["comparisons"]:
+        counts[c["axis"]] = counts.get(c["axis"], 0) + 1
+    return ", ".join(f"{n} {axis} comparisons" for axis, n in counts.items()) or "none"
 
 
 def _scale(g: Grid) -> str:
@@ -237,98 +257,134 @@ def _tex(parts) -> str:
 
 
 def figure(a: dict, g: Grid, metric: str, out: Path) -> list[Path]:
-    """``metric`` against the drop ratio, one line per series (the other varied options) with its
-    interval band, one panel per family, and the paper's points in a panel beside (ΔPPL only);
-    a point plot with interval bars when the grid does not vary the drop ratio."""
-    plt, sns = pyplot()
+    """One figure of ``metric``; [] when a table says it all (fewer than two values to compare).
+
+    A paired metric (a difference to the baseline of the same seed) is a dot plot: one panel per
+    family and drop ratio, the variants side by side with their mean and 95 % t interval on a
+    linear axis of the panel's own scale (values decades apart across drop ratios get their own
+    panels, never a symmetric-log axis), a line at 0 (the baseline), and for ΔPPL of a scorer grid
+    the paper's T2 values in a panel beside on a log axis. A per-run metric (the kept fraction) is a
+    line against the drop ratio with the target 1 − drop ratio; series that coincide are drawn once."""
     m = get_metric(metric)
     fams = list(dict.fromkeys(e["variant"]["family"] for e in a["effects"]))
-    by_drop = "drop_ratio" in g.varied()
-    paper = metric == "dppl_final" and "scorer" in g.varied()
-    fig, axes = plt.subplots(1, len(fams) + paper, figsize=(5.2 * (len(fams) + paper), 3.8), squeeze=False)
     series_keys = [k for k in g.varied() if k not in ("seed", "family", "drop_ratio")]
     all_series = list(dict.fromkeys(tuple(e["variant"].get(k) for k in series_keys) for e in a["effects"]))
+    drops = sorted({e["variant"]["drop_ratio"] for e in a["effects"] if "drop_ratio" in e["variant"]})
+    if not m.paired:
+        return _line_figure(a, g, metric, out, fams, series_keys, all_series, drops)
+    filled = [e for e in a["effects"] if e["metrics"][metric]["n"]]
+    if len(filled) < 2:  # one variant: its row of the table is the whole story
+        return []
+    plt, sns = pyplot()
+    paper = metric == "dppl_final" and "scorer" in g.varied()
+    cols = [*(drops or [None])]
+    ncol = len(cols) + paper
+    fig, axes = plt.subplots(len(fams), ncol, figsize=(1.2 + (1.1 + 0.55 * len(all_series)) * ncol, 3.4 * len(fams)),
+                             squeeze=False)
     colors = dict(zip(all_series, sns.color_palette("colorblind", max(1, len(all_series)))))
+    names = [" ".join(_series_label(k, v) for k, v in zip(series_keys, s)) or "variant" for s in all_series]
     for j, fam in enumerate(fams):
-        ax = axes[0][j]
-        mine = [e for e in a["effects"] if e["variant"]["family"] == fam]
-        for i, s in enumerate(all_series):
-            pts = [e for e in mine if tuple(e["variant"].get(k) for k in series_keys) == s and e["metrics"][metric]["n"]]
-            name = " ".join(_series_label(k, v) for k, v in zip(series_keys, s)) or "variant"
-            if not pts:
-                continue
-            if by_drop:
-                pts.sort(key=lambda e: e["variant"]["drop_ratio"])
-                xs = [0.0] + [e["variant"]["drop_ratio"] for e in pts]
-                ys = [0.0] + [e["metrics"][metric]["mean"] for e in pts]
-                lo = [0.0] + [_or(e["metrics"][metric]["lo"], e["metrics"][metric]["mean"]) for e in pts]
-                hi = [0.0] + [_or(e["metrics"][metric]["hi"], e["metrics"][metric]["mean"]) for e in pts]
-                if len(pts) >= 2:  # a curve only through measured drop ratios: C0 and at least two more
-                    ax.plot(xs, ys, marker="o", ms=3, lw=1, color=colors[s], label=name)
-                    ax.fill_between(xs, lo, hi, color=colors[s], alpha=0.15, lw=0)
-                else:  # one drop ratio beside the baseline: points and interval bars, no line between them
-                    dodge = 0.012 * (i - (len(all_series) - 1) / 2)  # side by side at the same ratio
-                    err = [[y - a for y, a in zip(ys, lo)], [b - y for y, b in zip(ys, hi)]]
-                    ax.errorbar([x + dodge * (x > 0) for x in xs], ys, yerr=err, fmt="o", ms=4, capsize=3,
-                                color=colors[s], label=name)
-            else:
-                for e in pts:
-                    est = e["metrics"][metric]
-                    err = None if est["lo"] is None else [[est["mean"] - est["lo"]], [est["hi"] - est["mean"]]]
-                    ax.errorbar([i], [est["mean"]], yerr=err, fmt="o", color=colors[s], capsize=3, label=name)
-        if not by_drop:
+        for c, d in enumerate(cols):
+            ax = axes[j][c]
+            for i, s in enumerate(all_series):
+                e = next((e for e in a["effects"] if e["variant"]["family"] == fam and e["variant"].get("drop_ratio") == d
+                          and tuple(e["variant"].get(k) for k in series_keys) == s), None)
+                est = e["metrics"][metric] if e else None
+                if not est or not est["n"]:
+                    continue
+                err = None if est["lo"] is None else [[est["mean"] - est["lo"]], [est["hi"] - est["mean"]]]
+                ax.errorbar([i], [est["mean"]], yerr=err, fmt="o", ms=5, capsize=4, color=colors[s])
+            ax.axhline(0.0, color="0.3", lw=0.8)
             ax.set_xticks(range(len(all_series)))
-            ax.set_xticklabels([" ".join(_series_label(k, v) for k, v in zip(series_keys, s)) for s in all_series],
-                               fontsize=7, rotation=20)
-        else:
-            ax.set_xticks(sorted({0.0, *(e["variant"]["drop_ratio"] for e in mine)}))  # the measured ratios only
-            ax.set_xlabel("drop ratio (0: the baseline)")
-        ax.axhline(0.0, color="0.3", lw=0.6)
-        spread = sorted(abs(v) for e in mine for k in ("mean", "lo", "hi") if (v := e["metrics"][metric][k]))
-        if spread and spread[-1] > 100 * spread[len(spread) // 4]:  # decades apart: a symmetric log scale
-            ax.set_yscale("symlog", linthresh=spread[len(spread) // 4])
-        ax.set_ylabel(f"{m.label} ({m.unit})" if m.unit else m.label)
-        ax.set_title(f"measured: {FAMILY_NAMES.get(fam, fam)}, mean and {round(CONFIDENCE * 100)} % interval over "
-                     f"seeds", fontsize=8)
-        ax.legend(fontsize=7)
-    if paper:
-        _paper_panel(axes[0][-1], fams, colors, series_keys)
-    fig.suptitle(f"Ablation {g.name}: {m.label}", fontsize=9)
+            ax.set_xticklabels(names, fontsize=7, rotation=30, ha="right")
+            ax.set_xlim(-0.6, len(all_series) - 0.4)
+            ax.tick_params(axis="y", labelsize=7)
+            ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4), useMathText=True)
+            ax.set_title(f"{FAMILY_NAMES.get(fam, fam)}" + (f", C{round(d * 100)}" if d is not None else ""), fontsize=8)
+            if c == 0:
+                ax.set_ylabel(f"{m.label}, run − baseline" + (f" ({m.unit})" if m.unit else ""), fontsize=8)
+        if paper:
+            _paper_panel(axes[j][-1], fam, all_series, series_keys, colors, names)
+    base = ", ".join(f"{k} = {_label(k, v) if k == 'drop_ratio' else v}" for k, v in g.baseline_options.items())
+    fig.suptitle(f"Ablation {g.name}: {m.label} against the baseline of the same seed ({base}); measured, "
+                 f"{_scale(g)}\nmean and 95 % Student t interval over seeds (uncorrected; the tables give the "
+                 f"Holm-corrected orderings); 0 = the baseline", fontsize=8)
     fig.tight_layout()
     files = save_figure(fig, out, f"{g.name}_{metric}")
     plt.close(fig)
     return files
 
 
-def _or(v, default):
-    return default if v is None else v
+def _line_figure(a, g, metric, out, fams, series_keys, all_series, drops) -> list[Path]:
+    """A per-run metric against the drop ratio (the kept fraction): measured points only (no
+    baseline point drawn as 0), the target 1 − drop ratio dashed, coinciding series drawn once."""
+    if len(drops) < 2:
+        return []
+    plt, sns = pyplot()
+    m = get_metric(metric)
+    fig, axes = plt.subplots(1, len(fams), figsize=(5.2 * len(fams), 3.6), squeeze=False)
+    colors = dict(zip(all_series, sns.color_palette("colorblind", max(1, len(all_series)))))
+    for j, fam in enumerate(fams):
+        ax = axes[0][j]
+        curves = {}
+        for s in all_series:
+            pts = sorted((e["variant"]["drop_ratio"], e["metrics"][metric]) for e in a["effects"]
+                         if e["variant"]["family"] == fam and tuple(e["variant"].get(k) for k in series_keys) == s
+                         and e["metrics"][metric]["n"])
+            if pts:
+                curves[s] = pts
+        groups: list[tuple[list, list]] = []  # (series, points): series whose means coincide are one line
+        for s, pts in curves.items():
+            same = next((grp for grp in groups if len(grp[1]) == len(pts) and all(
+                p[0] == q[0] and abs(p[1]["mean"] - q[1]["mean"]) <= 1e-6 for p, q in zip(pts, grp[1]))), None)
+            if same:
+                same[0].append(s)
+            else:
+                groups.append(([s], pts))
+        for ss, pts in groups:
+            label = ", ".join(" ".join(_series_label(k, v) for k, v in zip(series_keys, s)) for s in ss) or "variant"
+            if len(ss) > 1:
+                label = f"{label} (identical)"
+            xs = [x for x, _ in pts]
+            ax.plot(xs, [e["mean"] for _, e in pts], marker="o", ms=4, lw=1.2, color=colors[ss[0]], label=label)
+        ax.plot(drops, [1 - d for d in drops], ls="--", color="0.4", lw=1, label="target: 1 − drop ratio")
+        ax.set_xticks(drops)
+        ax.set_xticklabels([f"C{round(d * 100)}" for d in drops])
+        ax.set_xlabel("backward drop level")
+        ax.set_ylabel(f"{m.label}" + (f" ({m.unit})" if m.unit else ""))
+        ax.set_ylim(0, 1.05)
+        ax.set_title(f"{FAMILY_NAMES.get(fam, fam)}", fontsize=8)
+        ax.legend(fontsize=7, loc="upper right")
+    fig.suptitle(f"Ablation {g.name}: {m.label} (mean over seeds); measured, {_scale(g)}", fontsize=8)
+    fig.tight_layout()
+    files = save_figure(fig, out, f"{g.name}_{metric}")
+    plt.close(fig)
+    return files
 
 
 def _series_label(k, v) -> str:
     return SCORER_NAMES.get(v, str(v)) if k == "scorer" else f"{k}={v}" if k not in ("quota", "mode", "selection") else str(v)
 
 
-def _paper_panel(ax, fams, colors, series_keys) -> None:
-    """The paper's T2 ΔPPL per scorer (its drop level is not stated: drawn at C20, the level this
-    kit assumes) and T1's LRM ΔPPL at C10-C30 (Qwen3): the paper's scale, beside ours."""
-    nums = paper_numbers()
-    t1 = nums["T1"]["values"]
-    markers = {"qwen3": "o", "glm4": "s"}
-    for fam in fams:
-        for sc, v in nums["T2"]["values"].get(fam, {}).items():
-            key = next((s for s in colors if "scorer" in series_keys and s[series_keys.index("scorer")] == sc), None)
-            ax.scatter([0.2], [v], marker=markers.get(fam, "o"), color=colors.get(key, "0.4"),
-                       label=f"T2 {FAMILY_NAMES.get(fam, fam)} {SCORER_NAMES.get(sc, sc)}")
-    if nums["T1"].get("model") in fams:
-        xs = [0.0, 0.1, 0.2, 0.3]
-        ax.plot(xs, [t1[f"C{round(x * 100)}"] - t1["C0"] for x in xs], color="0.3", lw=1, ls="--", marker=".",
-                label="T1 LRM (Qwen3-30B-A3B)")
-    ax.set_yscale("symlog", linthresh=1e-3)
-    ax.set_xlim(-0.05, 1.0)
-    ax.set_xlabel("drop ratio (T2's level is not stated; drawn at C20)")
-    ax.set_ylabel("ΔPPL (paper)")
-    ax.set_title("paper (8 Hopper GPUs, 10,000 steps)", fontsize=8)
-    ax.legend(fontsize=6)
+def _paper_panel(ax, fam, all_series, series_keys, colors, names) -> None:
+    """The paper's T2 ΔPPL per scorer of ``fam`` (its drop level is not stated) on a log axis: the
+    paper's scale, beside ours; the same x positions and colours as the measured panels."""
+    vals = paper_numbers()["T2"]["values"].get(fam, {})
+    for i, s in enumerate(all_series):
+        sc = s[series_keys.index("scorer")] if "scorer" in series_keys else None
+        if sc in vals:
+            ax.scatter([i], [vals[sc]], marker="D", s=28, color=colors[s])
+    ax.set_yscale("log")
+    from matplotlib.ticker import NullFormatter
+
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_xticks(range(len(all_series)))
+    ax.set_xticklabels(names, fontsize=7, rotation=30, ha="right")
+    ax.set_xlim(-0.6, len(all_series) - 0.4)
+    ax.tick_params(axis="y", labelsize=7)
+    ax.set_ylabel("ΔPPL, paper (log scale)", fontsize=8)
+    ax.set_title(f"paper T2 ({'Qwen3-30B-A3B' if fam == 'qwen3' else 'GLM4.5-106B-A12B' if fam == 'glm4' else fam}; "
+                 f"8 GPUs; level not stated)", fontsize=7)
 
 
 # ----------------------------------------------------------------------------- all

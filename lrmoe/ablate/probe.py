@@ -409,6 +409,8 @@ def parser() -> argparse.ArgumentParser:
                    help="precision of the model and its gradients (default: %(default)s; float64 is slower on a CPU "
                         "and agrees with float32 to within 3e-5 relative on top-quota records, docs/ablations.md)")
     p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--redraw", action="store_true",
+                   help="probe nothing: the tables and Figure A1 again from --out's probe.json")
     return p
 
 
@@ -470,6 +472,15 @@ def main(argv: list[str] | None = None) -> int:
         argv = list(sys.argv[1:] if argv is None else argv)
         a = parser().parse_args(argv)
         a.argv = argv
+        if a.redraw:
+            from paper_figures.probe import from_json
+
+            src = Path(a.out) / "probe.json"
+            if not src.is_file():
+                raise ProbeError(f"--redraw: no {src}; run the probe into --out first")
+            for f in from_json(src):
+                print(f)
+            return 0
         run_probe(a)
     except ProbeError as e:
         print(f"lrmoe ablate probe: {e}", file=sys.stderr)

@@ -26,13 +26,15 @@ PAPER_SET = ("paper-qwen3", "paper-glm", "pressure-qwen3", "pressure-glm")
 def register_cli(sub) -> None:
     ap = sub.add_parser("simulate", help="simulate the paper's system results (T4, T5, F3, F5) on a hardware model",
                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("action", nargs="?", choices=["calibrate", "record-trace", "trace-stats"], default=None,
+    ap.add_argument("action", nargs="?", choices=["calibrate", "record-trace", "trace-stats", "replot"], default=None,
                     help="calibrate: measure this machine (2 gloo processes) into the cpu-local preset "
                          "(OUT/cpu-local.json, OUT default results/sim); record-trace: the routing of the model "
                          "of --run on its data into the trace file --out; trace-stats: skew and drift of the "
-                         "traces and workloads named after it (OUT/trace_stats.json + .md)")
+                         "traces and workloads named after it (OUT/trace_stats.json + .md); replot: the tables "
+                         "and figures again from the simulation.json files under the folders named after it "
+                         "(simulating nothing)")
     ap.add_argument("items", nargs="*", metavar="TRACE",
-                    help="trace-stats: trace files (.npz) or synthetic workload names")
+                    help="trace-stats: trace files (.npz) or synthetic workload names; replot: result folders")
     ap.add_argument("--run", type=Path, default=None, help="record-trace: an lrmoe train run folder")
     ap.add_argument("--ranks", type=int, default=8, help="record-trace: source ranks (8)")
     ap.add_argument("--rows-per-rank", type=int, default=1, help="record-trace: packed rows per rank per step (1)")
@@ -75,6 +77,8 @@ def run(args) -> int:
         return _record_trace(args)
     if args.action == "trace-stats":
         return _trace_stats(args)
+    if args.action == "replot":
+        return _replot(args.items)
     if args.items:
         return _fail(f"unexpected arguments {args.items}; only trace-stats takes traces")
     if args.list:
@@ -140,6 +144,29 @@ def run(args) -> int:
               file=sys.stderr)
     if len(scenarios) > 1:
         print(f"[simulate] {len(scenarios)} scenarios in {time.perf_counter() - t_all:.1f} s", file=sys.stderr)
+    return 0
+
+
+def _replot(folders) -> int:
+    """The tables and figures of every ``simulation.json`` under ``folders`` again, beside it."""
+    from paper_figures.results import paper_numbers
+    from paper_figures.simulation import make_figures, make_tables
+
+    from ..files import CorruptFileError, read_json
+
+    if not folders:
+        return _fail("replot: name result folders, e.g. lrmoe simulate replot results/sim results/cpu/sim")
+    found = sorted({p for f in folders for p in Path(f).rglob("simulation.json")})
+    if not found:
+        return _fail(f"replot: no simulation.json under {', '.join(map(str, folders))}")
+    paper = paper_numbers()
+    for path in found:
+        try:
+            result = read_json(path)
+        except CorruptFileError as e:
+            return _fail(str(e))
+        made = make_tables(result, paper, path.parent) + make_figures(result, paper, path.parent)
+        print(f"[simulate] replot {path.parent}: {len(made)} tables/figures", file=sys.stderr)
     return 0
 
 

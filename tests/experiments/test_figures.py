@@ -128,15 +128,20 @@ def test_t2_pairs_each_seed_with_its_own_c0(fake, tmp_path):
                                                                                  + 0.1 * (10 - k))
                     for k in range(1, 11)) / 10 for s in (0, 1)]
         m, sd = mean_std(gaps)
-        assert f"| +{delta:.6f} ± 0.000000 (n=2) | {m:+.6f} ± {sd:.6f} (n=2) |" in rows[name], rows[name]
+        half = 12.706204736174698 * sd / math.sqrt(2)  # t(0.975, 1) · s / √n, by hand
+        f = lambda v, d: f"{v:+.{d}f}".replace("-", "−")  # noqa: E731
+        # every seed has the same ΔPPL: no spread, the interval is the value and p = 0
+        assert f"| {f(delta, 6)} [{f(delta, 6)}, {f(delta, 6)}] (n=2; p <0.001, Holm <0.001) |" in rows[name], rows[name]
+        assert f"| {f(m, 4)} [{f(m - half, 4)}, {f(m + half, 4)}] (n=2; p " in rows[name], rows[name]
     assert "Δloss measured (mean over all steps, nats)" in md.read_text()
+    assert "Holm's correction" in md.read_text() and "95 % Student t interval" in md.read_text()
 
 
 def test_a_missing_run_says_not_run(fake, tmp_path):
     shutil.rmtree(fake / "qwen3-C30-lrm-s0")
     md, _ = make_t1(Results.load(fake), paper_figures.paper_numbers(), tmp_path)
     c30 = next(line for line in md.read_text().splitlines() if "| C30 |" in line)
-    assert c30.count("not run") == 3
+    assert c30.count("not run") == 4  # PPL, ΔPPL, Δ% and the paired column
 
 
 # ----------------------------------------------------------------------------- figures and report

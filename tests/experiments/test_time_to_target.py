@@ -156,7 +156,10 @@ def test_seeds_are_paired_and_summarised_with_t_intervals(tmp_path):
     assert last["measured_vs_symi_bounds"] == 1  # seed 0's SYMI never reached it: a lower bound
     assert last["measured_vs_symi_pct"]["n"] == 2
     md = (tmp_path / "tables" / "T3_time_to_target.md").read_text()
-    assert "(2/3 seeds)" in md and "(SYMI not reached in 1/2; 2/3 seeds)" in md and "seeds 0, 1, 2" in md
+    # every seed counts: seed 1 is censored (ranked last), the median of (w, w, never) is w
+    assert last["steps_median"] == want[2] and last["measured_median_s"] is not None
+    assert "(reached 2/3)" in md and "(SYMI not reached in 1/2; 2/3 seeds)" in md and "seeds 0, 1, 2" in md
+    assert "censored" in md and "Holm p" in md
     figs = ttt.make_f4(Results.load(tmp_path), paper_numbers(), tmp_path)
     assert all(f.stat().st_size > 0 for f in figs)
 

@@ -140,3 +140,24 @@ def test_cli(tmp_path, capsys):
     assert r["trace"]["shape"] == [1, 1, 8, 128] and r["methods"]["lrmoe"]["planning_ms_per_layer"] > 0
     assert (out / "tables" / "T4_paper-qwen3.md").read_text().count("| lrmoe |") == 1
     assert "Simulated (h100-sxm" in (out / "tables" / "T5_paper-qwen3.md").read_text()
+    t4 = (out / "tables" / "T4_paper-qwen3.md").read_text()
+    assert "per MoE layer" in t4 and "paper subtotal" in t4 and "5.44" in t4  # the paper's T4 is Qwen3's
+    # replot: the tables again from simulation.json, simulating nothing
+    (out / "tables" / "T4_paper-qwen3.md").unlink()
+    assert main(["simulate", "replot", str(out)]) == 0
+    assert (out / "tables" / "T4_paper-qwen3.md").read_text() == t4
+    assert main(["simulate", "replot", str(tmp_path / "nothing")]) == 2
+    assert "no simulation.json" in capsys.readouterr().err
+
+
+def test_t4_of_another_model_shows_no_paper_numbers():
+    """The paper reports T4 for Qwen3-30B-A3B only: GLM's T4 carries no paper column."""
+    from paper_figures.results import paper_numbers
+    from paper_figures.simulation import t4_head, t4_rows
+
+    mem = {"base": 1.0, "replicas": 0.0, "tokens": 2.0, "subtotal": 3.0}
+    result = {"scenario": {"model": "glm-4.5-air"}, "methods": {"fixed": {"memory_gib": mem, "memory_gib_max": mem}}}
+    assert "paper subtotal" not in t4_head(result)
+    assert t4_rows(result, paper_numbers()) == [["fixed", "1.00", "0.00", "2.00", "3.00", "3.00"]]
+    result["scenario"]["model"] = "qwen3-30b-a3b"
+    assert t4_rows(result, paper_numbers())[0][-1] == "12.88" and "paper subtotal" in t4_head(result)
