@@ -49,6 +49,7 @@ import torch
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
+from .console import is_terminal
 from .files import atomic_write, write_text
 
 IGNORE_INDEX = -100
@@ -435,7 +436,7 @@ def build_alpaca_splits(
     splits = {}
     for name, recs in (("train", train_recs), ("heldout", held_recs)):
         examples = []
-        for rec in tqdm(recs, desc=f"tokenise {name}", disable=not progress):
+        for rec in tqdm(recs, desc=f"tokenise {name}", disable=not (progress and is_terminal())):  # no bar in logs
             ids, labels = tokenize_example(tokenizer, rec)
             if max_doc_len is not None and len(ids) > max_doc_len:
                 ids, labels = ids[:max_doc_len], labels[:max_doc_len]

@@ -63,7 +63,11 @@ class StepProgress:
     ``out``. ``with StepProgress(out, runs): ...``; disabled when ``enabled`` is False."""
 
     def __init__(self, out, runs: list[tuple[str, int]], enabled: bool = True, interval_s: float = 5.0):
-        self.out, self.runs, self.enabled, self.interval_s = Path(out), list(runs), enabled and bool(runs), interval_s
+        from lrmoe.console import is_terminal
+
+        # a bar redrawn every few seconds is for a terminal; in a log the pool's per-run lines say it
+        self.out, self.runs, self.interval_s = Path(out), list(runs), interval_s
+        self.enabled = enabled and bool(runs) and is_terminal()
         self._stop = threading.Event()
         self._thread = None
         self.bar = None

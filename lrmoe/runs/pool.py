@@ -104,10 +104,10 @@ def run_all(runs: list[RunSpec], out, jobs: int = 1, *, progress: bool = True, m
     group = _init_group(runs) if under_torchrun else None  # one group for all runs of this process
     if prepare and not under_torchrun:
         prepare_data(runs, progress and main)  # (under torchrun, train prepares the data on one rank per node first)
-    from tqdm import tqdm
+    from lrmoe.console import progress_bar
 
-    bar = tqdm(total=len(runs) + done, initial=done, desc=desc, unit="run", disable=not (progress and main),
-               dynamic_ncols=True)
+    bar = progress_bar(total=len(runs) + done, initial=done, desc=desc, unit="run", disable=not (progress and main),
+                       dynamic_ncols=True)
 
     def report(res):
         fin = res.get("final", {})

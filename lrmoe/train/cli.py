@@ -142,7 +142,10 @@ def _cli(args) -> int:
     if not main:
         return 0
     fin = s.get("final", {})
-    print(f"{args.out}: status {s['status']}, step {s.get('steps_done')}, loss {fin.get('loss')}, "
-          f"ppl {fin.get('ppl')}, eval_ppl {fin.get('eval_ppl')}")
+    def r(v):  # rounded for reading; summary.json keeps every digit
+        return "—" if v is None else f"{v:.4f}"
+
+    print(f"{args.out}: status {s['status']}, step {s.get('steps_done')}, loss {r(fin.get('loss'))}, "
+          f"ppl {r(fin.get('ppl'))}, eval_ppl {r(fin.get('eval_ppl'))} (every digit: summary.json)")
     return 0
 

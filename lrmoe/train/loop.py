@@ -459,14 +459,14 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.append(row)
         if self.bar is not None:
-            self.bar.update(1)
             if self.step_done % self.cfg.log_interval == 0 or self.step_done == self.cfg.steps:
                 loss = row["loss"]
                 post = {"loss": f"{loss:.4f}" if loss is not None else "-", "kept": f"{row['kept_fraction']:.2f}",
                         "tok/s": f"{row['tokens_per_s']:.0f}"}
                 if "eval_loss" in row:
                     post["eval"] = f"{row['eval_loss']:.4f}"
-                self.bar.set_postfix(post)
+                self.bar.set_postfix(post, refresh=False)  # before the update, which draws (or prints) it
+            self.bar.update(1)
 
     # ------------------------------------------------------------------ the loop
     def run(self, stop_after: int | None = None) -> dict:
@@ -475,10 +475,10 @@ class Trainer:
         self.write_summary("running")
         timer = MoETimer(self.moe_modules, self.device)
         if self.progress and self.main:
-            from tqdm import tqdm
+            from lrmoe.console import progress_bar
 
-            self.bar = tqdm(total=cfg.steps, initial=self.step_done, desc=self.out.name, unit="step",
-                            dynamic_ncols=True)
+            self.bar = progress_bar(total=cfg.steps, initial=self.step_done, desc=self.out.name, unit="step",
+                                    dynamic_ncols=True)
         if self.metrics is not None:
             self.metrics.open()
         stops = _StopSignals(not runner.distributed, self.say)
