@@ -4,7 +4,7 @@
   E2 scorer ablation at C20: lrm, grad_norm, abs_grad, random, on both families, several seeds,
      each seed paired with its own C0 run -> T2.
   E3 time to target: every method (fixed ownership and UltraEP dropless, SYMI at capacity factor
-     1.0, LRMoE at C20) trained with its expert-parallel semantics (``virtual_ep`` ranks in one
+     1.0 as in its paper, at 1.25 and dropless, LRMoE at C20) trained with its expert-parallel semantics (``virtual_ep`` ranks in one
      process, or ``ep`` ranks under torchrun), on models with the paper's 128 experts and top-8
      routing; each run records its routing trace -> T3, F4 (paper_figures.time_to_target).
 
@@ -20,8 +20,14 @@ from lrmoe.train.config import config_differences
 
 DROPS_E1 = (0.0, 0.1, 0.2, 0.3)
 SCORERS_E2 = ("lrm", "grad_norm", "abs_grad", "random")
-#: E3's methods: (placement, drop ratio); the placements' own defaults (SYMI: capacity factor 1.0).
-METHODS_E3 = (("fixed", 0.0), ("symi", 0.0), ("ultraep", 0.0), ("lrmoe", 0.2))
+#: E3's methods: (name, placement, drop ratio, placement options). SYMI at its own setting (capacity
+#: factor 1.0, which drops the pairs over capacity in forward) and, so that T3 does not compare LRMoE
+#: with a crippled SYMI only, at 1.25 and dropless (``capacity_factor`` None); the other baselines are
+#: dropless. The names match paper_figures.time_to_target.method_of.
+METHODS_E3 = (("fixed", "fixed", 0.0, {}), ("symi", "symi", 0.0, {}),
+              ("symi-cf125", "symi", 0.0, {"capacity_factor": 1.25}),
+              ("symi-dropless", "symi", 0.0, {"capacity_factor": None}),
+              ("ultraep", "ultraep", 0.0, {}), ("lrmoe", "lrmoe", 0.2, {}))
 FAMILIES = ("qwen3", "glm4")
 
 
@@ -30,9 +36,9 @@ def run_name(family: str, drop: float, scorer: str, seed: int) -> str:
     return f"{family}-C{round(drop * 100):02d}" + (f"-{scorer}" if drop > 0 else "") + f"-s{seed}"
 
 
-def e3_run_name(family: str, placement: str, seed: int) -> str:
-    """``qwen3-E3-symi-s0``."""
-    return f"{family}-E3-{placement}-s{seed}"
+def e3_run_name(family: str, method: str, seed: int) -> str:
+    """``qwen3-E3-symi-s0``, ``glm4-E3-symi-dropless-s1`` (a :data:`METHODS_E3` name)."""
+    return f"{family}-E3-{method}-s{seed}"
 
 
 def e3_runs(p) -> list[RunSpec]:
@@ -47,11 +53,13 @@ def e3_runs(p) -> list[RunSpec]:
     out = []
     for fam in p.families:
         for seed in e3.get("seeds", (0,)):
-            for placement, drop in METHODS_E3:
+            for method, placement, drop, options in METHODS_E3:
                 cfg = dict(p.base, model=p.models[fam], drop_ratio=drop, scorer="lrm", seed=seed, placement=placement,
                            model_overrides=dict(e3.get("model_overrides", {}).get(fam, {})),
                            **p.family_config.get(fam, {}), **e3.get("config", {}))
-                out.append(RunSpec(e3_run_name(fam, placement, seed), fam, ("E3",), cfg,
+                if options:
+                    cfg["ep_options"] = {**cfg.get("ep_options", {}), **options}
+                out.append(RunSpec(e3_run_name(fam, method, seed), fam, ("E3",), cfg,
                                    record_trace=bool(e3.get("record_trace"))))
     return out
 

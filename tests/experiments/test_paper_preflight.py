@@ -45,7 +45,8 @@ def _runs(family="qwen3"):
     return [r for r in PRESETS["paper"].runs() if r.name.startswith(family)]
 
 
-def test_memory_check_estimates_each_memory_config_once_and_refuses_what_does_not_fit(tmp_path):
+def test_memory_check_estimates_each_memory_config_once_and_refuses_what_does_not_fit(tmp_path, monkeypatch):
+    monkeypatch.setattr(memory_check, "COMMITTED", tmp_path / "none.json")  # not the kit's stored estimates
     runs = _runs()
     est = _Estimator(lambda c: (90.0 if c["drop_ratio"] == 0.0 else 40.0, 10.0))
     lines = memory_check.check(runs, 8, tmp_path, 80 * GIB, 2000 * GIB, estimate=est, say=lambda s: None)
@@ -79,3 +80,17 @@ def test_dry_run_column(tmp_path):
     assert memory_check.memory_key(other_seed, 8) == memory_check.memory_key(r.config, 8)
     assert memory_check.memory_key(dict(r.config, drop_ratio=0.5), 8) != memory_check.memory_key(r.config, 8)
     assert memory_check.memory_key(r.config, 16) != memory_check.memory_key(r.config, 8)
+
+
+def test_committed_estimates_are_the_paper_presets():
+    """results/memory/estimates.json holds estimates of the paper preset's own memory configs (each
+    keyed as its config says), for the dry run's column and the preflight."""
+    from lrmoe.reproduce.presets import PRESETS
+
+    stored = json.loads(memory_check.COMMITTED.read_text())
+    keys = {memory_check.memory_key(r.config, 8) for r in PRESETS["paper"].runs()}
+    assert stored and set(stored) <= keys
+    for key, e in stored.items():
+        cfg = dict(e["config"])
+        assert memory_check.memory_key(cfg, cfg.pop("world")) == key
+        assert 0 < e["peak_gib"] <= 72 and "not measured" in e["estimated"]

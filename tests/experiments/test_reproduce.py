@@ -33,12 +33,20 @@ def smoke(tmp_path_factory):
 def test_presets_are_data():
     cpu = PRESETS["cpu"].runs()
     names = [r.name for r in cpu]
-    assert len(names) == len(set(names)) == 58  # E1 + E2: 34; E3: 4 methods x 2 families x 3 seeds
+    assert len(names) == len(set(names)) == 70  # E1 + E2: 34; E3: 6 methods x 2 families x 3 seeds
     e3 = [r for r in cpu if "E3" in r.experiments]
-    assert len(e3) == 24 and all(r.experiments == ("E3",) and r.config["virtual_ep"] == 8 for r in e3)
+    assert len(e3) == 36 and all(r.experiments == ("E3",) and r.config["virtual_ep"] == 8 for r in e3)
     assert {r.config["seed"] for r in e3} == {0, 1, 2}
     assert sorted(r.config["placement"] for r in e3 if r.family == "qwen3" and r.config["seed"] == 0) == [
-        "fixed", "lrmoe", "symi", "ultraep"]
+        "fixed", "lrmoe", "symi", "symi", "symi", "ultraep"]
+    # SYMI at its own capacity factor 1.0 (no option), at 1.25 and dropless (issue 30: a fair T3)
+    symi = {r.name: r.config.get("ep_options", {}) for r in e3 if r.family == "qwen3" and r.config["seed"] == 0
+            and r.config["placement"] == "symi"}
+    assert symi == {"qwen3-E3-symi-s0": {}, "qwen3-E3-symi-cf125-s0": {"capacity_factor": 1.25},
+                    "qwen3-E3-symi-dropless-s0": {"capacity_factor": None}}
+    from paper_figures.time_to_target import method_of
+
+    assert {method_of(r.config) for r in e3} == {"fixed", "symi", "symi-cf125", "symi-dropless", "ultraep", "lrmoe"}
     for fam in ("qwen3", "glm4"):
         e1 = [r for r in cpu if r.family == fam and "E1" in r.experiments]
         assert sorted(r.config["drop_ratio"] for r in e1) == [0.0, 0.1, 0.2, 0.3]
@@ -62,11 +70,13 @@ def test_paper_preset_has_e3_torchrun_runs_that_record_their_routing(tmp_path, c
     from lrmoe.cli import main
 
     runs = PRESETS["paper"].runs()
-    assert len(runs) == len({r.name for r in runs}) == 40  # 34 E1/E2 + 6 E3
+    assert len(runs) == len({r.name for r in runs}) == 44  # 34 E1/E2 + 10 E3
     e3 = [r for r in runs if "E3" in r.experiments]
+    from paper_figures.time_to_target import method_of
+
     for fam in ("qwen3", "glm4"):
-        mine = {r.config["placement"]: r for r in e3 if r.family == fam}
-        assert sorted(mine) == ["fixed", "lrmoe", "symi", "ultraep"], fam
+        mine = {method_of(r.config): r for r in e3 if r.family == fam}
+        assert sorted(mine) == ["fixed", "lrmoe", "symi", "symi-cf125", "symi-dropless", "ultraep"], fam
         assert all(r.record_trace and r.config["ep"] == 8 for r in mine.values())
         lrmoe = mine["lrmoe"]
         assert lrmoe.name == f"{fam}-C20-lrm-s0" and {"E1", "E2", "E3"} <= set(lrmoe.experiments)
@@ -102,7 +112,7 @@ def test_smoke_end_to_end(smoke):
     t2 = (smoke / "tables/T2_scorer_ablation.md").read_text()
     for v in ("0.012474", "0.775797", "0.003464", "0.079282"):
         assert v in t2
-    assert "not run" not in t2 and "(n=2)" in t2
+    assert "not run" not in t2 and "(n=2;" in t2
     assert r"\begin{tabular}" in (smoke / "tables/T2_scorer_ablation.tex").read_text()
     report = (smoke / "report.md").read_text()
     for key in ("T3", "T4", "T5", "F3", "F4"):
@@ -171,10 +181,10 @@ def test_missing_runs_say_not_run(smoke, tmp_path):
     make_all(partial, partial)
     t1 = (partial / "tables/T1_convergence.md").read_text()
     glm_c30 = next(line for line in t1.splitlines() if "glm4" in line and "| C30 |" in line)
-    assert glm_c30.count("not run") == 3
+    assert glm_c30.count("not run") == 4  # PPL, ΔPPL, Δ% and the paired column
     t2 = (partial / "tables/T2_scorer_ablation.md").read_text()
     random_row = next(line for line in t2.splitlines() if line.startswith("| random"))
-    assert random_row.split(" | ")[2] == "not run" and "(n=2)" in random_row
+    assert random_row.split(" | ")[2] == "not run" and "(n=2;" in random_row
 
 
 def test_cli_dry_run_only_and_paper(smoke, capsys, monkeypatch):

@@ -47,15 +47,15 @@ def test_smoothing_targets_and_reach_by_hand():
     assert ttt.smoothed([4.0, None, 2.0, 0.0], 2) == [4.0, 4.0, 2.0, 1.0]
     assert ttt.window_of(12) == 3 and ttt.window_of(200) == 10
     curve = [10.0 - i for i in range(10)]  # 10 .. 1
-    assert ttt.targets(curve) == [6.0, 3.0, 2.0]  # steps 5, 8, 9 of 10
+    assert ttt.targets(curve) == [6.0, 3.0, 2.0, 1.0]  # steps 5, 8, 9, 10 of 10
     assert ttt.first_reach(curve, 3.0) == 7 and ttt.first_reach(curve, 0.5) is None
 
 
-def _run_folder(root, placement, losses, moe_s, trace_seed, seed=0, torchrun=False):
-    d = root / f"qwen3-E3-{placement}-s{seed}"
+def _run_folder(root, placement, losses, moe_s, trace_seed, seed=0, torchrun=False, name=None, ep_options=None):
+    d = root / f"qwen3-E3-{name or placement}-s{seed}"
     d.mkdir()
     cfg = {"model": "qwen3-moe-small", "steps": len(losses), "placement": placement, "virtual_ep": 8, "seed": seed,
-           "drop_ratio": 0.2 if placement == "lrmoe" else 0.0, "grad_accum": 1,
+           "drop_ratio": 0.2 if placement == "lrmoe" else 0.0, "grad_accum": 1, "ep_options": ep_options or {},
            "model_overrides": {"num_local_experts": 128, "num_experts_per_tok": 8}}
     env = {"cpu_model": "test CPU"}
     extra = {}
@@ -185,3 +185,41 @@ def test_torchrun_runs_are_labelled_measured_on_their_gpus(tmp_path):
 def test_no_e3_runs_no_table(tmp_path):
     res = Results.load(tmp_path)
     assert ttt.make_t3(res, paper_numbers(), tmp_path) is None and ttt.make_f4(res, paper_numbers(), tmp_path) is None
+
+
+def test_method_names_of_configs():
+    assert ttt.method_of({"placement": "symi"}) == "symi"
+    assert ttt.method_of({"placement": "symi", "ep_options": {"capacity_factor": 1.0}}) == "symi"
+    assert ttt.method_of({"placement": "symi", "ep_options": {"capacity_factor": 1.25}}) == "symi-cf125"
+    assert ttt.method_of({"placement": "symi", "ep_options": {"capacity_factor": None}}) == "symi-dropless"
+    assert ttt.method_of({"placement": "ultraep", "ep_options": {"min_tokens": 4}}) == "ultraep"
+    assert ttt.paper_method("symi-dropless").options["capacity_factor"] is None
+    assert ttt.paper_method("symi-cf125").options["capacity_factor"] == 1.25
+    assert ttt.paper_method("symi").placement == "symi" and ttt.paper_method("nope") is None
+
+
+def test_symi_variants_and_steps_against_lrmoe(tmp_path):
+    """SYMI at 1.25 and dropless appear beside SYMI 1.0 (each simulated with its own capacity factor);
+    the steps table pairs each variant with LRMoE per seed: a variant one step ahead is "fewer", one
+    that never reaches the late target counts as "more"."""
+    base = [10.0 - 0.75 * i for i in range(STEPS)]
+    _run_folder(tmp_path, "fixed", base, 1.0, 1)
+    _run_folder(tmp_path, "lrmoe", [base[0]] + base[:-1], 0.5, 4)  # 1 step behind fixed
+    _run_folder(tmp_path, "symi", [base[0]] * 3 + base[:-3], 1.0, 3)  # 3 behind: never reaches the late target
+    _run_folder(tmp_path, "symi", base, 1.0, 3, name="symi-dropless", ep_options={"capacity_factor": None})
+    _run_folder(tmp_path, "symi", [base[0]] + base[:-1], 1.0, 3, name="symi-cf125", ep_options={"capacity_factor": 1.25})
+    files = ttt.make_t3(Results.load(tmp_path), paper_numbers(), tmp_path)
+    fam = json.loads(next(f for f in files if f.suffix == ".json").read_text())["families"][0]
+    assert list(fam["summary"]) == ["fixed", "symi", "symi-cf125", "symi-dropless", "lrmoe"]
+    cached = {p.stem: json.loads(p.read_text())["settings"]["method"] for p in (tmp_path / "sim" / "e3").iterdir()}
+    assert cached["qwen3-E3-symi-dropless-s0"]["options"]["capacity_factor"] is None
+    assert cached["qwen3-E3-symi-cf125-s0"]["options"]["capacity_factor"] == 1.25
+    at90 = {c["symi"]: c for c in fam["steps_vs_lrmoe"] if c["fraction"] == 0.9}  # fixed reaches it at step 11
+    assert (at90["symi-dropless"]["symi_fewer"], at90["symi-cf125"]["equal"], at90["symi"]["symi_more"]) == (1, 1, 1)
+    assert at90["symi"]["symi_median"] is None and at90["symi-dropless"]["symi_median"] == 11
+    assert at90["symi-cf125"]["symi_median"] == at90["symi-cf125"]["lrmoe_median"] == 12
+    late = {c["symi"]: c for c in fam["steps_vs_lrmoe"] if c["fraction"] == ttt.TARGET_FRACTIONS[-1]}
+    assert late["symi-dropless"]["symi_fewer"] == 1 and late["symi"]["equal"] == 1  # neither reaches: equal
+    md = next(f for f in files if f.suffix == ".md").read_text()
+    assert "SYMI (dropless)" in md and "SYMI (capacity 1.25)" in md
+    assert "SYMI needs fewer steps than LRMoE in most seeds for: SYMI (dropless)." in md
