@@ -243,12 +243,17 @@ def parse_grid(doc: dict, file: str = "<grid>") -> Grid:
                 fail(f"[{where}] {key} = []: an empty axis makes the grid empty (the product has no run)")
             reprs = [repr(v) for v in values]
             dup = next((v for v in reprs if reprs.count(v) > 1), None)
-            if dup is not None:
+            if dup is not None and where == "axes":  # (a zipped axis may repeat a value; its tuples may not)
                 fail(f"[{where}] {key}: the value {dup} is listed twice")
         lengths = {k: len(v) for k, v in group.items()}
         if where.startswith("zip") and len(set(lengths.values())) > 1:
             fail(f"[[zip]] group {where[4:]}: zipped axes must be lists of one length, got "
                  + ", ".join(f"{k}: {n}" for k, n in lengths.items()))
+        if where.startswith("zip"):
+            rows = [repr(r) for r in zip(*group.values())]
+            dup = next((r for r in rows if rows.count(r) > 1), None)
+            if dup is not None:
+                fail(f"[[zip]] group {where[4:]}: the combination {', '.join(group)} = {dup} is listed twice")
     for where, group in [(f"zip {i + 1}", z) for i, z in enumerate(zips)]:
         if not group:
             fail(f"[[zip]] group {where[4:]} is empty")

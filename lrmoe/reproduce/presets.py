@@ -57,6 +57,7 @@ class Preset:
         c = r.config
         ep = (f" placement={c['placement']} virtual_ep={c['virtual_ep']}" if c.get("virtual_ep", 1) > 1 else
               f" placement={c['placement']} ep={c['ep']}" if c.get("ep", 1) > 1 else "")
+        ep += "".join(f" {k}={v}" for k, v in (c.get("ep_options") or {}).items())
         ep += " +trace" if r.record_trace else ""
         over = "".join(f" {k}={v}" for k, v in (c.get("model_overrides") or {}).items())
         return (f"model={c['model']}{over} drop={c['drop_ratio']} scorer={c['scorer']} seed={c['seed']} "
@@ -94,7 +95,8 @@ PRESETS: dict[str, Preset] = {
         "cpu", "CPU-scale reproduction: qwen3-moe-small / glm4-moe-small (16 experts, top-4) near memorisation "
                "of a 16-record Alpaca sample (alpaca_en_demo; 14 train / 2 held out), E1 + E2 with 3 seeds; "
                "E3: the same "
-               "families with 128 experts and top-8 on 8 virtual EP ranks, 4 methods x 3 seeds",
+               "families with 128 experts and top-8 on 8 virtual EP ranks, 6 methods (SYMI at 3 capacity settings) "
+               "x 3 seeds",
         {"qwen3": "qwen3-moe-small", "glm4": "glm4-moe-small"}, _CPU_BASE, "alpaca/alpaca_en_demo.json",
         e2_seeds=(0, 1, 2), jobs=2, hardware="2 CPU cores",
         # E3: the same small models with the paper's 128 experts and top-8 routing (so that their traces
@@ -110,7 +112,7 @@ PRESETS: dict[str, Preset] = {
         # the probe's defaults on the preset's own Qwen3 C0 model (docs/ablations.md: cost)
         probe=dict(run="qwen3-C00-s0", cost="measured: 143 s on 2 AMD EPYC cores, retraining the "
                                                 "committed run for its checkpoint included"),
-        cost="measured: see docs/reproduce.md (target <= 30 minutes on 2 CPU cores, 58 runs)"),
+        cost="measured: see docs/reproduce.md (target <= 45 minutes on 2 CPU cores, 70 runs)"),
     "gpu1": Preset(
         "gpu1", "one Hopper GPU: the paper's Qwen3-30B-A3B and GLM-4.5-Air layer dimensions (128 experts, top-8) "
                 "with fewer layers, bf16 autocast, full Alpaca, seq 8192",
@@ -140,7 +142,7 @@ PRESETS: dict[str, Preset] = {
         # simulated replay. One seed: each run costs as much as an E1 run. LRMoE at C20 is E1's C20 run
         # (the same config), so E3 adds 6 runs (experiments.preset_runs).
         e3=dict(seeds=(0,), record_trace=True),
-        cost="estimated (not measured): the paper's 10,000-step runs; 34 E1/E2 runs + 6 E3 runs (fixed, SYMI, "
+        cost="estimated (not measured): the paper's 10,000-step runs; 34 E1/E2 runs + 10 E3 runs (fixed, SYMI at 3 capacity settings, "
              "UltraEP x 2 models, one seed; LRMoE is E1's C20 run) at roughly 1-2 days each on 8 GPUs"),
 }
 

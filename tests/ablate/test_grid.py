@@ -84,6 +84,8 @@ def test_a_registered_scorer_is_accepted_while_it_is_registered():
     ({"grid": HEAD, "axes": {"seed": [0, 0]}}, r"\[axes\] seed: the value 0 is listed twice"),
     ({"grid": HEAD, "zip": [{"mode": ["compact", "mask"], "drop_ratio": [0.2]}]},
      r"\[\[zip\]\] group 1: zipped axes must be lists of one length"),
+    ({"grid": HEAD, "zip": [{"drop_ratio": [0.2, 0.2], "scorer": ["lrm", "lrm"]}]},
+     r"\[\[zip\]\] group 1: the combination drop_ratio, scorer = \(0.2, 'lrm'\) is listed twice"),
     ({"grid": HEAD, "set": {"scorer": "lrm"}, "axes": {"scorer": ["random"]}},
      r"\[axes\] 'scorer' is also given in \[set\]"),
     ({"grid": HEAD, "axes": {"mode": ["full", "compact"], "drop_ratio": [0.2]}},
@@ -119,3 +121,13 @@ def test_the_kits_grids_parse():
     phi = load_grid(GRIDS_DIR / "phi.toml")
     assert {r.config["phi"] for r in phi.runs()} == {"h", "x", "both"}
     assert {r.config["selection"] for r in load_grid(GRIDS_DIR / "unbiased.toml").runs()} == {"top", "sample"}
+
+
+def test_a_zipped_axis_may_repeat_a_value():
+    """T1's drop levels and T2's scorers at C20 in one zip: drop_ratio 0.2 three times, each with its
+    own scorer, every run with its own name and the shared C0 baseline of its seed."""
+    g = parse_grid({"grid": HEAD, "axes": {"seed": [0]},
+                    "zip": [{"drop_ratio": [0.1, 0.2, 0.2], "scorer": ["lrm", "lrm", "random"]}]}, "t.toml")
+    variants = [c for c in g.cells if not c.is_baseline]
+    assert len(variants) == len({c.name for c in variants}) == 3
+    assert {c.baseline for c in variants} == {next(c.name for c in g.cells if c.is_baseline)}
