@@ -8,6 +8,8 @@ import math
 import re
 import shutil
 import statistics
+
+from scipy.stats import t as scipy_t
 from pathlib import Path
 
 import pytest
@@ -53,7 +55,8 @@ def test_t1_t2_arithmetic_recomputed_from_run_files():
             assert row in t1, row
         for sc in ("lrm", "grad_norm", "abs_grad", "random"):
             ds = [_window_ppl(CPU_RESULTS / f"{fam}-C20-{sc}-s{s}") - c0[s] for s in range(3)]
-            cell = f"{statistics.mean(ds):+.6f} ± {statistics.stdev(ds):.6f} (n=3)"
+            m, h = statistics.mean(ds), scipy_t.ppf(0.975, 2) * statistics.stdev(ds) / 3 ** 0.5
+            cell = f"{m:+.6f} [{m - h:+.6f}, {m + h:+.6f}] (n=3;".replace("-", "\u2212")  # mean [95 % t]
             assert cell in t2, (fam, sc, cell)
 
 

@@ -317,11 +317,15 @@ def test_prepare_caches_and_loads(tmp_path, shared, monkeypatch):
                "--seed", "3", "--max-records", "40"])  # same arguments: same cached file, no rebuild
 
 
-def test_prepare_shows_progress_bars_only_when_asked(tmp_path, shared, capfd):
-    """``progress=False`` (a probe or a pool run with --no-progress) tokenises silently."""
+def test_prepare_shows_progress_bars_only_when_asked(tmp_path, shared, capfd, monkeypatch):
+    """``progress=False`` (a probe or a pool run with --no-progress) tokenises silently; with
+    progress, the bars are drawn on a terminal only (a log gets no redrawn bars)."""
     data.prepare(TINY, "bpe:300", seq_len=64, heldout_fraction=0.1, seed=3, max_records=40, progress=False)
     assert "tokenise" not in capfd.readouterr().err
     data.prepare(TINY, "bpe:300", seq_len=64, heldout_fraction=0.1, seed=4, max_records=40, progress=True)
+    assert "tokenise" not in capfd.readouterr().err  # stderr is not a terminal here
+    monkeypatch.setattr(data, "is_terminal", lambda: True)
+    data.prepare(TINY, "bpe:300", seq_len=64, heldout_fraction=0.1, seed=5, max_records=40, progress=True)
     assert "tokenise train" in capfd.readouterr().err
 
 

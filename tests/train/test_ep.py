@@ -249,9 +249,10 @@ def test_paper_commands_rebuild_each_run_config():
     ap = argparse.ArgumentParser()
     register_cli(ap.add_subparsers(dest="command"))
     pl = plan("paper", "/tmp/results-paper", data="alpaca.json")
-    assert len(pl["runs"]) == 40  # E1/E2: 34; E3: fixed, SYMI, UltraEP per family (LRMoE C20 is E1's run)
+    assert len(pl["runs"]) == 44  # E1/E2: 34; E3: fixed, SYMI x 3, UltraEP per family (LRMoE C20 is E1's run)
     e3 = {r.name: r for r in pl["runs"] if "E3" in r.experiments}
-    assert sorted(e3) == sorted([f"{f}-E3-{m}-s0" for f in ("qwen3", "glm4") for m in ("fixed", "symi", "ultraep")]
+    assert sorted(e3) == sorted([f"{f}-E3-{m}-s0" for f in ("qwen3", "glm4")
+                                 for m in ("fixed", "symi", "symi-cf125", "symi-dropless", "ultraep")]
                                 + ["qwen3-C20-lrm-s0", "glm4-C20-lrm-s0"])
     for r in pl["runs"]:
         cmd = torchrun_command(r, pl["out"] / r.name, 8)
