@@ -38,7 +38,7 @@ reproduce: venv
 # `make ablate`: the ablation grids that fit 2 CPU cores, one after another (docs/ablations.md: cost);
 # `make ablate GRIDS=quota` runs one. Runs, tables and figures: results/ablations-local/<grid>/ (git-ignored;
 # the committed reference is results/ablations/<grid>/).
-GRIDS ?= drop_ratio quota mask_vs_compact unbiased phi
+GRIDS ?= heldout drop_ratio quota mask_vs_compact unbiased phi
 
 ablate: venv
 	for g in $(GRIDS); do $(VENV)/bin/lrmoe ablate ablations/$$g.toml || exit $$?; done

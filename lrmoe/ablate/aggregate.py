@@ -72,14 +72,17 @@ def analyse(g: Grid, out) -> dict:
     variants = list(dict.fromkeys(_variant_key(c.coords) for c in g.cells if not c.is_baseline))
     seeds = {k: per_seed(g, found, k) for k in g.metrics}
     effects = []
-    for key in variants:
+    paired = [k for k in g.metrics if get_metric(k).paired]
+    ests = {k: [estimate([seeds[k][key][s] for s in sorted(seeds[k][key])]) for key in variants] for k in g.metrics}
+    for k in paired:  # every effect against its baseline: one family of tests per metric, Holm-corrected
+        ests[k] = list(with_holm(ests[k]))
+    for i, key in enumerate(variants):
         row = {"variant": dict(key), "metrics": {}}
         for k in g.metrics:
-            vals = seeds[k][key]
-            row["metrics"][k] = dict(estimate([vals[s] for s in sorted(vals)]).to_dict(), seeds=sorted(vals))
+            extra = {"holm_family": len(variants)} if k in paired else {}
+            row["metrics"][k] = dict(ests[k][i].to_dict(), seeds=sorted(seeds[k][key]), **extra)
         effects.append(row)
     comparisons = []
-    paired = [k for k in g.metrics if get_metric(k).paired]
     for a, b in itertools.combinations(variants, 2):
         da, db = dict(a), dict(b)
         differ = [k for k in da if da[k] != db.get(k)]
@@ -172,12 +175,19 @@ def tables(a: dict, g: Grid) -> tuple[list[str], list[tuple[str, list, list]]]:
     show_paper = "scorer" in varied and "dppl_final" in g.metrics
     head = [k for k in varied] + [f"{get_metric(k).label} ({get_metric(k).unit})" if get_metric(k).unit
                                   else get_metric(k).label for k in g.metrics]
+    first = g.metrics[0]
+    effect_p = get_metric(first).paired
+    if effect_p:
+        head.append(f"p (t test) / Holm, {get_metric(first).label} vs baseline")
     if show_paper:
         head.append("paper T2 ΔPPL (drop level not stated)")
     rows = []
     for e in a["effects"]:
         row = [_label(k, e["variant"].get(k)) for k in varied]
         row += [_cell(e["metrics"][k], get_metric(k).digits, get_metric(k).paired) for k in g.metrics]
+        if effect_p:
+            m = e["metrics"][first]
+            row.append(f"{fmt_p(m.get('p'))} / {fmt_p(m.get('p_holm'))}")
         if show_paper:
             pv = paper_t2(e["variant"].get("family"), e["variant"].get("scorer"))
             row.append(_num(pv, 6, sign=False) if pv is not None else "—")
@@ -186,7 +196,6 @@ def tables(a: dict, g: Grid) -> tuple[list[str], list[tuple[str, list, list]]]:
     chead = (["context", "option", "a vs b"] + [f"{get_metric(k).label}: a − b" for k in paired]
              + [f"p (t test) / Holm, {get_metric(paired[0]).label}" if paired else "p", "ordering (Holm)"])
     crow = []
-    first = g.metrics[0]
     for c in a["comparisons"]:
         ctx = " ".join(_label(k, v) for k, v in c["context"].items())
         crow.append([ctx, c["axis"], f"{_label(c['axis'], c['a'])} vs {_label(c['axis'], c['b'])}"]

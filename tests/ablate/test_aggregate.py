@@ -65,6 +65,17 @@ def test_paired_differences_intervals_and_orderings_by_hand(folder):
     assert (e["mean"], e["lo"], e["hi"]) == pytest.approx((m, m - half, m + half))
     assert e["resolved"] and e["ordering"] == "lrm < random" and e["seeds"] == [0, 1, 2]
     assert a["baseline_ppl_final"]["qwen3"]["mean"] == pytest.approx(1.1)
+    # the effects against the baseline are one family of tests per metric: Holm over the two variants
+    from scipy.stats import ttest_1samp
+
+    ps = {sc: ttest_1samp([DELTA[sc][s] for s in (0, 1, 2)], 0).pvalue for sc in DELTA}
+    lo, hi = sorted(ps, key=ps.get)
+    holm = {lo: min(1.0, 2 * ps[lo])}
+    holm[hi] = max(holm[lo], min(1.0, ps[hi]))
+    for sc in DELTA:
+        got = _effect(a, sc)["metrics"]["dppl_final"]
+        assert got["p"] == pytest.approx(ps[sc]) and got["p_holm"] == pytest.approx(holm[sc])
+        assert got["holm_family"] == 2
 
 
 def test_files_and_a_damaged_run_is_named_not_dropped(folder):
