@@ -202,6 +202,7 @@ def _paper_trace(run: Run, sc):
 def simulate_family(res: Results, family: str, runs: dict[str, Run], say=None) -> dict[str, dict]:
     """method -> {"step_s": simulated seconds per optimizer step (paper depth), ...} for the
     family's E3 runs (cached under ``<results>/sim/e3/``)."""
+    from lrmoe.sim.cost import COST_MODEL_VERSION
     from lrmoe.sim.hardware import get_hardware
     from lrmoe.sim.scenarios import MODELS, budget_bytes_for
 
@@ -219,7 +220,7 @@ def simulate_family(res: Results, family: str, runs: dict[str, Run], say=None) -
             continue
         key = hashlib.sha256(tr.counts.tobytes()).hexdigest()
         settings = {"trace_sha256": key, "scenario": sc.name, "hardware": HARDWARE, "budget_bytes": budget,
-                    "method": dataclasses.asdict(methods[pl])}
+                    "method": dataclasses.asdict(methods[pl]), "cost_model": COST_MODEL_VERSION}
         path = cache / f"{runs[pl].name}.json"
         old = read_json(path) if path.exists() else None
         if old is not None and old.get("settings") == settings:

@@ -786,6 +786,20 @@ def heap_pop(keys, idx, size):
 
 
 # ----------------------------------------------------------------------------- shared helpers
+def fetched_GE(expert_N, rank_N, num_ranks: int, num_experts: int) -> np.ndarray:
+    """bool [G, E]: rank r holds an instance of expert e that it does not own (the owner of e is
+    rank e // (E/G)). The expert-parallel runtime fetches one copy of such an expert's weights to r
+    before the forward and returns one weight gradient in the backward, however many instances of
+    e sit on r and whatever their ``is_replica`` flags (a SYMI slot's first instance can sit off
+    its owner rank). The simulator charges these copies (:func:`lrmoe.sim.cost.replica_bytes_GG`);
+    ``tests/sim`` checks them against the runtime's layout."""
+    expert_N, rank_N = np.asarray(expert_N, dtype=np.int64), np.asarray(rank_N, dtype=np.int64)
+    out = np.zeros((num_ranks, num_experts), dtype=bool)
+    off = expert_N // (num_experts // num_ranks) != rank_N
+    out[rank_N[off], expert_N[off]] = True
+    return out
+
+
 def expert_sum(x_GN: np.ndarray, expert_N: np.ndarray, num_experts: int) -> np.ndarray:
     """Sum the instance columns of x_GN per expert -> [G, E]."""
     x_GN = _int64(x_GN)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..planning.plan import Cluster, ModelDims, Plan
+from ..planning.plan import Cluster, ModelDims, Plan, fetched_GE
 from .hardware import Hardware
 
 FORWARD = ("overhead", "demand", "plan", "weight_sync", "dispatch", "gemm", "combine", "rows")
@@ -56,14 +56,23 @@ def _to_ranks(x_GN: np.ndarray, rank_N: np.ndarray, G: int) -> np.ndarray:
     return out
 
 
+#: bumped whenever a change here changes a cost: caches of simulated times (T3's ``sim/e3``) key on it.
+#: 2: weight copies are the (rank, expert) pairs the runtime fetches; dX rows return without positions.
+COST_MODEL_VERSION = 2
+
+
 def replica_bytes_GG(plan: Plan, dims: ModelDims, bytes_per_param: int) -> np.ndarray:
-    """[G, G] bytes of replica weights (or their gradients, reversed) from owners to hosts."""
-    G = plan.demand_GE.shape[0]
-    epr = dims.num_experts // G
-    out = np.zeros((G, G), dtype=np.float64)
+    """[G, G] bytes of expert weights (or their gradients, reversed) from owners to the ranks that
+    fetch them: one copy per (rank, expert) the rank holds an instance of without owning it
+    (:func:`lrmoe.planning.plan.fetched_GE`, what the runtime's layout fetches), not per instance
+    flagged ``is_replica``."""
+    G, E = plan.demand_GE.shape
     per = 3 * dims.hidden * dims.intermediate * bytes_per_param
-    for e, r in zip(plan.expert_N[plan.is_replica_N].tolist(), plan.rank_N[plan.is_replica_N].tolist()):
-        out[e // epr, r] += per
+    fetched = fetched_GE(plan.expert_N, plan.rank_N, G, E)  # [host, expert]
+    owner_E = np.arange(E) // (E // G)
+    out = np.zeros((G, G), dtype=np.float64)
+    host, e = np.nonzero(fetched)
+    np.add.at(out, (owner_E[e], host), per)
     return out
 
 
@@ -82,8 +91,9 @@ def layer_cost(plan: Plan, cluster: Cluster, dims: ModelDims, hw: Hardware, *, s
     row_GG = _to_ranks(send, rank_N, G) * (H * b)
     back_rows_N = kept_N if compacts else rows_N
     back_sent_G = (quota if compacts else send).sum(1)
-    back_GG = _to_ranks(quota if compacts else send, rank_N, G) * (H * b + (4 if compacts else 0))
-    has_replica = bool(plan.is_replica_N.any())
+    back_rows_GG = _to_ranks(quota if compacts else send, rank_N, G)
+    back_GG = back_rows_GG * (H * b + (4 if compacts else 0))  # compact: each kept row's int32 position too
+    has_replica = bool(fetched_GE(plan.expert_N, plan.rank_N, G, plan.demand_GE.shape[1]).any())
 
     def per_rank(fn) -> float:
         return max((fn(r) for r in range(G)), default=0.0)
@@ -111,7 +121,7 @@ def layer_cost(plan: Plan, cluster: Cluster, dims: ModelDims, hw: Hardware, *, s
         else per_rank(lambda r: hw.row_seconds(2 * int(kept_N[on(r)].sum()) * (H + 2 * I) * b)),
         "gemm": per_rank(lambda r: hw.gemm_seconds(back_rows_N[on(r)], 12.0 * H * I, calls=4)
                          + hw.hbm_seconds(int(back_rows_N[on(r)].sum()) * 5 * I * b)),  # SwiGLU bwd: GU, dh -> dGU
-        "dx": _a2a(hw, cluster, back_GG.T),
+        "dx": _a2a(hw, cluster, back_rows_GG.T * (H * b)),  # dX rows only: no positions come back
         "weight_grads": _a2a(hw, cluster, replica_bytes_GG(plan, dims, b).T) if has_replica else 0.0,
         "rows": per_rank(lambda r: hw.row_seconds((5 * int(back_sent_G[r]) + 4 * int(back_rows_N[on(r)].sum()))
                                                   * H * b)),

@@ -56,6 +56,12 @@ def test_compact_backward_runs_the_kept_rows_only():
     assert cc["backward"]["gemm"] == max(int(k) * (12 * H * I + 5 * I * b) for k in kept_N)
     assert cm["backward"]["gemm"] == cf["backward"]["gemm"]  # mask: every row enters the GEMMs
     assert cc["kept"] == int(kept_N.sum()) < cc["pairs"]
+    # the kept rows cross the network with their int32 positions; the dX rows come back without
+    q = c20.backward_quota_GN  # [source, expert] = [source, rank] here (rank r owns expert r)
+    sent = max(int(q[0, 1]), int(q[1, 0]))  # rows each rank sends the other, the larger (UNIT: 1 B/s)
+    back = max(int(q[0, 1]), int(q[1, 0]))
+    assert cc["backward"]["grad_rows"] == sent * (H * b + 4)
+    assert cc["backward"]["dx"] == back * H * b
     assert cc["forward"]["combine"] > cf["forward"]["combine"]  # + fp32 ||h||^2 per row when selecting
 
 
@@ -107,3 +113,41 @@ def test_row_copies_run_at_their_own_rate_where_calibrated():
         assert slow[part]["rows"] == 4 * base[part]["rows"]  # 0.25 bytes/s instead of hbm's 1
         assert {k: v for k, v in slow[part].items() if k != "rows"} == \
             {k: v for k, v in base[part].items() if k != "rows"}
+
+
+@pytest.mark.parametrize("placement", ["symi", "ultraep", "lrmoe"])
+def test_weight_copies_are_the_ones_the_runtime_fetches(placement):
+    """The simulator charges one weight copy (and one gradient back) per (rank, expert) the runtime's
+    layout fetches: an instance off its owner rank, whatever its is_replica flag (SYMI's first
+    instance of an expert can sit off the owner; two instances on one rank are one copy)."""
+    import torch
+
+    from lrmoe.parallel.layout import Layout
+    from lrmoe.planning.plan import fetched_GE
+    from lrmoe.sim.cost import replica_bytes_GG
+
+    rng = np.random.default_rng(7)
+    G, E = 4, 16
+    dims = ModelDims(hidden=8, intermediate=4, num_experts=E, top_k=2, dtype_bytes=2)
+    cl = Cluster(G, E // G + 3)
+    per = 3 * 8 * 4 * 2
+    flagged_off_owner = 0
+    state = None
+    for step in range(6):
+        d = rng.lognormal(0, 1.5, (G, E)).round().astype(np.int64) * rng.integers(1, 30)
+        kw = {"options": {"min_tokens": 1}} if placement == "ultraep" else {}
+        if placement == "lrmoe":
+            kw = {"selects": True, "drop_ratio": 0.2}
+        plan = plan_layer(placement, d, cl, dims, math.inf, state=state, **kw)
+        state = plan.state
+        got = replica_bytes_GG(plan, dims, 2)
+        fetched = fetched_GE(plan.expert_N, plan.rank_N, G, E)
+        owner = plan.expert_N // (E // G)
+        flagged_off_owner += int(((owner != plan.rank_N) & ~plan.is_replica_N).sum())
+        for r in range(G):
+            lay = Layout(plan, r, E // G, compacts=False, device=torch.device("cpu"))
+            assert (got[:, r] / per).tolist() == lay.wrecv_splits, (step, r)  # what r receives, by owner
+            assert (got[r] / per).tolist() == lay.wsend_splits, (step, r)  # what r sends as owner
+            assert fetched[r].sum() == sum(lay.wrecv_splits)
+    if placement == "symi":  # the case the old is_replica count missed
+        assert flagged_off_owner > 0
