@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from .kernels.grouped_gemm import grouped_mm, resolve_backend
+from .kernels.host import host_reads_free
 from .kernels.routing import count_by_value, kept_positions, select_top_quota, sort_pairs_by_expert, sum_rows_by_token
 from .kernels.sampling import sample_quota
 from .policy import BackwardPolicy, BackwardRecord, PolicySnapshot, check_policy
@@ -131,7 +132,7 @@ def _check_inputs(hidden_TH, top_k_index_TK, top_k_weights_TK, gate_up_proj, dow
         if top_k_index_TK.device.type == "cpu" and top_k_index_TK.numel():
             torch._assert_async(((top_k_index_TK >= 0) & (top_k_index_TK < E)).all(),
                                 f"expert indices must be in [0, {E - 1}]")
-    elif (top_k_index_TK.device.type == "cpu" or torch.is_anomaly_enabled()) and top_k_index_TK.numel():
+    elif (host_reads_free(top_k_index_TK) or torch.is_anomaly_enabled()) and top_k_index_TK.numel():
         lo, hi = int(top_k_index_TK.min()), int(top_k_index_TK.max())
         if lo < 0 or hi >= E:
             raise ValueError(f"expert indices must be in [0, {E - 1}], got values in [{lo}, {hi}]")

@@ -22,6 +22,7 @@ import torch
 
 from .planning.quota import (accepts_drop_ratio, check_drop_ratio, check_min_keep, check_quota, keep_fraction,
                              retained_total)
+from .kernels.host import host_reads_free
 from .registry import Registry
 
 __all__ = ["check_drop_ratio", "compute_quota", "get_quota_policy", "kept_pairs", "keep_parts", "proportional_quota",
@@ -68,7 +69,7 @@ def proportional_quota(demand_E: torch.Tensor, n_keep: int, drop_ratio: float | 
         return torch.zeros_like(d)
     if drop_ratio is not None:
         num, den = keep_parts(drop_ratio)
-        den = torch.as_tensor(den, dtype=torch.int64, device=d.device)
+        den = torch.full((), den, dtype=torch.int64, device=d.device)  # (a fill: no blocking host copy)
     else:
         num, den = n_keep, torch.clamp(d.sum(), min=1)
     base = (d * num) // den  # exact integer floor of the target share
@@ -92,7 +93,8 @@ def waterfill_quota(demand_E: torch.Tensor, n_keep: int, min_keep: int = 0) -> t
         inner = waterfill_quota(floor_E, n_keep)
         rest = waterfill_quota(d - floor_E, torch.clamp(n_keep - fsum, min=0))
         return torch.where(fsum >= n_keep, inner, floor_E + rest)
-    n_keep_t = torch.as_tensor(n_keep, dtype=torch.int64, device=d.device)
+    n_keep_t = (n_keep.to(torch.int64) if isinstance(n_keep, torch.Tensor)
+                else torch.full((), n_keep, dtype=torch.int64, device=d.device))  # (a fill: no blocking host copy)
     # f(tau) = sum_e min(d_e, tau) at every breakpoint tau in {0} U {d_e}.
     bps = torch.cat([d.new_zeros(1), d])
     f_bp = torch.minimum(d[None, :], bps[:, None]).sum(1)
@@ -150,7 +152,7 @@ def quota_for(demand_E: torch.Tensor, n_keep: int, policy: str = "waterfill", *,
     if q.is_floating_point() or q.is_complex() or q.dtype == torch.bool:
         raise ValueError(f"quota policy {policy!r} must return integer quotas, got dtype {q.dtype}")
     q = q.to(torch.int64)
-    if d.device.type == "cpu" and not torch.compiler.is_compiling():  # (no host reads in a traced graph)
+    if host_reads_free(d) and not torch.compiler.is_compiling():  # (no host reads in a traced graph)
         check_quota(d.numpy(), q.numpy(), n_keep, policy)
     return q
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from .host import host_reads_free
+
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -93,7 +95,7 @@ def values_checkable(t: torch.Tensor) -> bool:
     without these value checks), nor for fake tensors (a memory estimate: no values)."""
     if torch.compiler.is_compiling() or is_fake(t):
         return False
-    return t.device.type == "cpu" or (torch.is_anomaly_enabled() and t.device.type != "meta")
+    return host_reads_free(t) or (torch.is_anomaly_enabled() and t.device.type != "meta")
 
 
 def check_ends(ends: list[int], rows: int | None = None, what: str = "rows") -> None:

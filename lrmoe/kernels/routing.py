@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .host import emulating
+
 
 def count_by_value(values_N: torch.Tensor, n: int, weights: torch.Tensor | None = None) -> torch.Tensor:
     """int64 ``counts[v] = #{i : values_N[i] == v}`` (or the sum of integer/bool ``weights``) for v < n.
@@ -88,8 +90,9 @@ def sum_rows_by_token(rows_NH: torch.Tensor, rows_pair_N: torch.Tensor, num_toke
     times faster than ``segment_reduce`` there), on accelerators by ``segment_reduce`` (no
     atomics). Tokens without rows get zeros. ``workspace`` (a dead buffer shaped like
     ``rows_NH``, e.g. one the caller no longer needs) receives the reordered rows instead of a new
-    allocation. ``method`` ("index_add" or "segment_reduce") overrides the per-device choice."""
-    method = method or ("index_add" if rows_NH.device.type == "cpu" else "segment_reduce")
+    allocation. ``method`` ("index_add" or "segment_reduce") overrides the per-device choice (under
+    :func:`lrmoe.kernels.host.emulate_accelerator` the CPU takes the accelerators' one)."""
+    method = method or ("index_add" if rows_NH.device.type == "cpu" and not emulating() else "segment_reduce")
     if method not in ("index_add", "segment_reduce"):
         raise ValueError(f"method must be 'index_add' or 'segment_reduce', got {method!r}")
     if rows_pair_N.numel() == 0:
@@ -102,8 +105,8 @@ def sum_rows_by_token(rows_NH: torch.Tensor, rows_pair_N: torch.Tensor, num_toke
     token_N = rows_pair_N.index_select(0, order) // top_k  # non-decreasing
     if method == "index_add":
         return rows_NH.new_zeros(num_tokens, rows_NH.shape[1]).index_add_(0, token_N, ordered)
-    lengths = count_by_value(token_N, num_tokens)
-    return torch.segment_reduce(ordered, "sum", lengths=lengths, axis=0)
+    lengths = count_by_value(token_N, num_tokens)  # valid by construction: unsafe=True skips its host-read checks
+    return torch.segment_reduce(ordered, "sum", lengths=lengths, axis=0, unsafe=True)
 
 
 def sum_rows_by_token_loop(rows_NH: torch.Tensor, rows_pair_N: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:

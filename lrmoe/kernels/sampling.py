@@ -64,7 +64,8 @@ def inclusion_probabilities(scores_P: torch.Tensor, expert_P: torch.Tensor, quot
                                          - (torch.cumsum(total_E, 0) - total_E).index_select(0, e_s))).clamp(min=0)
     q_s = q_E.index_select(0, e_s)
     valid = (rank >= n_forced_E.index_select(0, e_s)) & (rank <= q_s) & ((q_s - rank).double() * w_fin <= S)
-    m_E = q_E.clone().scatter_reduce_(0, e_s[valid], rank[valid], "amin")  # number of capped pairs
+    # number of capped pairs: the least valid rank (invalid pairs offer their expert's quota, the start value)
+    m_E = q_E.clone().scatter_reduce_(0, e_s, torch.where(valid, rank, q_s), "amin")
     at_m = (start_E + m_E).clamp(max=max(P - 1, 0))
     S_m_E = torch.where(m_E < d_E, S.index_select(0, at_m) if P else total_E, torch.zeros_like(total_E))
     rest_E = (q_E - m_E).double()

@@ -12,6 +12,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..kernels.host import intended_sync, upload
+
 
 class EPCommunicationError(RuntimeError):
     """A collective of the expert-parallel runtime failed (timeout, peer gone, backend error)."""
@@ -72,26 +74,32 @@ def check_headers(ep, rows: np.ndarray, h: int, readable: list | None = None) ->
 
 def gather_demand(ep, demand_E: torch.Tensor, header: list[int],
                    readable: list | None = None) -> np.ndarray:
-    """all_gather of [header, demand]; raises ValueError on every rank if the headers differ.
+    """all_gather of [header, demand] (the demand: any per-rank int64 vector, e.g. with extra
+    entries after the counts); returns the gathered demands [G, len(demand)] as numpy, read on the
+    host once (the layer's one synchronisation; a layer's first call reads its sizes first); raises
+    ValueError on every rank if the headers differ.
 
     The message has len(header) + E entries. NCCL does not check that every rank sends as many
     bytes (gloo does): ranks with different E would hang or read garbage. So the first call of
     each layer first gathers the fixed-size header alone; E is fixed per layer after that."""
     dev = demand_E.device
-    mine = torch.cat([torch.tensor(header, dtype=torch.int64, device=dev), demand_E.to(torch.int64)])
+    mine = torch.cat([upload(np.asarray(header, dtype=np.int64), dev), demand_E.to(torch.int64)])
     if ep.world_size == 1:
-        rows = mine[None].cpu().numpy()
+        with intended_sync():  # the layer's one host read: the planner needs the demand
+            rows = mine[None].cpu().numpy()
     else:
-        if not ep.sizes_checked:
+        if not ep.sizes_checked:  # (a layer's first call only: one more host read)
             head = mine[:len(header)].contiguous()
             hparts = [torch.empty_like(head) for _ in range(ep.world_size)]
             collective(ep, "all_gather (demand) of the layer's sizes",
                         lambda: dist.all_gather(hparts, head, group=ep.group))
-            check_headers(ep, torch.stack(hparts).cpu().numpy(), len(header), readable)
+            with intended_sync():
+                check_headers(ep, torch.stack(hparts).cpu().numpy(), len(header), readable)
             ep.sizes_checked = True
         parts = [torch.empty_like(mine) for _ in range(ep.world_size)]
         collective(ep, "all_gather (demand)", lambda: dist.all_gather(parts, mine, group=ep.group))
-        rows = torch.stack(parts).cpu().numpy()
+        with intended_sync():  # the layer's one host read: the planner needs the demand
+            rows = torch.stack(parts).cpu().numpy()
     h = len(header)
     check_headers(ep, rows, h, readable)
     return rows[:, h:]

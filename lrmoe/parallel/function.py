@@ -12,7 +12,7 @@ import torch
 from ..experts import (Stopwatch, acc_dtype, autocast_off, buffer_bytes, expert_backward, gated, row_weights,
                        score_pairs, select_within_quota)
 from ..kernels.grouped_gemm import grouped_mm
-from ..kernels.routing import sort_pairs_by_expert, sum_rows_by_token
+from ..kernels.routing import count_by_value, sort_pairs_by_expert, sum_rows_by_token
 from . import fake
 from .collectives import all_to_all
 
@@ -209,9 +209,8 @@ class EPExperts(torch.autograd.Function):
             else:
                 nonfinite = (~torch.isfinite(g_TH)).any(-1).sum() * K
             I = gate_up.shape[1] // 2
-            record.fill(demand=torch.bincount(idx_TK.reshape(-1), minlength=E),
-                        quota=torch.as_tensor(lay.local_quota_E, device=dev),
-                        kept=torch.bincount(idx_TK.reshape(-1)[keep_P], minlength=E), kept_mask=kept_mask,
+            record.fill(demand=count_by_value(idx_TK.reshape(-1), E), quota=lay.local_quota_E,
+                        kept=count_by_value(idx_TK.reshape(-1), E, weights=keep_P), kept_mask=kept_mask,
                         scores=scores_TK, nonfinite=nonfinite, mode=policy.mode, drop_ratio=policy.drop_ratio,
                         scorer=None if scores_TK is None else policy.scorer,
                         selection=None if scores_TK is None else policy.selection,

@@ -55,6 +55,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..experts import autocast_inputs, autocast_off, check_routing_shapes, experts_activation
+from ..kernels.routing import count_by_value
 from ..policy import MODES, BackwardPolicy, BackwardRecord, check_policy
 from ..recompute import recomputing
 from ..planning.plan import Cluster, ModelDims, Plan, check_budget
@@ -140,6 +141,8 @@ class ExpertParallel:
         self.last_forward_bytes: dict[str, int] = {}
         self.plan_seconds = 0.0  # host time of the latest call's planning (all pieces)
         self.plan_seconds_total = 0.0  # host time of every planning since construction (never reset)
+        self.layout_seconds = 0.0  # host time of the latest call's layouts (plan -> index tensors; all pieces)
+        self.layout_seconds_total = 0.0  # host time of every layout since construction (never reset)
 
     @property
     def local_experts(self) -> range:
@@ -221,10 +224,8 @@ def _check_local_inputs(hidden_TH, idx_TK, w_TK, gate_up, down, ep: ExpertParall
         raise ValueError(f"expert weights must be this rank's block of E/G = {El} experts: gate_up_proj [{El}, 2I, {H}] "
                          f"and down_proj [{El}, {H}, I], got {tuple(gate_up.shape)} and {tuple(down.shape)}")
     check_routing_shapes(T, idx_TK, w_TK)
-    if idx_TK.numel() and not fake.is_fake(idx_TK):  # (fake tensors: no values to check)
-        lo, hi = int(idx_TK.min()), int(idx_TK.max())
-        if lo < 0 or hi >= ep.num_experts:
-            raise ValueError(f"expert indices must be in [0, {ep.num_experts - 1}] (global ids), got values in [{lo}, {hi}]")
+    # The indices' range is checked on the host after the demand gather, which carries every rank's
+    # lowest and highest index (layer_demand): no synchronisation of its own, and every rank raises.
 
 
 def check_fits(plan: Plan, ep: ExpertParallel) -> None:
@@ -307,7 +308,7 @@ def ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weig
     demand_GE = layer_demand(ep, idx, header, readable)
     dims = ep.dims(H, I, K, gate_up_proj.element_size())
     prev_state = ep.state
-    ep.plan_seconds = 0.0
+    ep.plan_seconds = ep.layout_seconds = 0.0
     ep.last_forward_bytes = {}
     plan = ep.plan(demand_GE, dims, policy, state=prev_state)
     plan_s = ep.plan_seconds  # this call's planning so far (a split adds each piece's below)
@@ -347,11 +348,26 @@ def ep_experts(hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weig
 
 
 def layer_demand(ep: ExpertParallel, idx: torch.Tensor, header: list[int], readable: list) -> np.ndarray:
-    """The [G, E] demand of this call over the EP group (a collective), or the stated one when the
-    indices are fake (:mod:`lrmoe.parallel.fake`: a memory estimate; no collective)."""
+    """The [G, E] demand of this call over the EP group (a collective: the layer's one host read), or
+    the stated one when the indices are fake (:mod:`lrmoe.parallel.fake`: a memory estimate; no
+    collective). ValueError on every rank when a rank's expert indices leave [0, E)."""
     if fake.is_fake(idx):
         return fake.demand(ep.world_size, ep.num_experts, idx.numel())
-    return gather_demand(ep, torch.bincount(idx.reshape(-1), minlength=ep.num_experts), header, readable)
+    E = ep.num_experts
+    flat = idx.reshape(-1)
+    inside = (flat >= 0) & (flat < E)
+    demand_E = count_by_value(torch.where(inside, flat, E), E + 1)  # out-of-range indices in bin E
+    if flat.numel():
+        extremes = torch.stack([flat.min(), flat.max()])
+    else:  # (no tokens: an in-range pair, made on the device)
+        extremes = torch.arange(2, dtype=torch.int64, device=idx.device) * (E - 1)
+    rows = gather_demand(ep, torch.cat([demand_E, extremes]), header, readable)
+    bad = np.flatnonzero(rows[:, E] > 0)
+    if bad.size:
+        r = int(bad[0])
+        raise ValueError(f"expert indices must be in [0, {E - 1}] (global ids), got values in "
+                         f"[{rows[r, E + 1]}, {rows[r, E + 2]}] on rank {r}")
+    return rows[:, :E]
 
 
 def _rerun(hidden_TH, idx, w_TK, gate_up, down, ep, policy, activation):
@@ -386,7 +402,11 @@ def activation_key(activation) -> str:
 
 def _run(hidden_TH, idx, w_TK, gate_up, down, ep, plan, policy, record, plan_seconds=0.0, activation=None):
     compacts = policy.selects and policy.mode == "compact" and bool((plan.backward_quota_GN != plan.send_GN).any())
+    t0 = time.perf_counter()
     layout = Layout(plan, ep.rank, ep.experts_per_rank, compacts, hidden_TH.device)
+    dt = time.perf_counter() - t0
+    ep.layout_seconds += dt
+    ep.layout_seconds_total += dt
     call = Call(ep, plan, layout, policy, record, ep.num_experts, activation)
     call.plan_seconds = plan_seconds
     with autocast_off(hidden_TH.device):

@@ -117,6 +117,7 @@ class DistributedRunner:
         self.eps: list[ExpertParallel] = []
         self.num_experts = 0
         self._plan_s0 = 0.0  # sum of the layers' plan_seconds_total when the step began
+        self._layout_s0 = 0.0  # likewise layout_seconds_total
 
     def policy_for_rank(self, policy):
         """The backward policy of this rank: the random scorer's seed offset by the rank (see
@@ -173,6 +174,7 @@ class DistributedRunner:
     def local_batches(self, batches: list[dict]) -> list[dict]:
         """This rank's contiguous block of rows of every micro-batch."""
         self._plan_s0 = self.plan_seconds_total()  # the step starts here (evaluation plans are not counted)
+        self._layout_s0 = self.layout_seconds_total()
         m = self.cfg.micro_batch // self.world
         lo = self.rank * m
         return [{k: v[lo:lo + m] for k, v in b.items()} for b in batches]
@@ -180,6 +182,10 @@ class DistributedRunner:
     def plan_seconds_total(self) -> float:
         """Host seconds this rank's EP layers have spent planning since they were built."""
         return sum(ep.plan_seconds_total for ep in self.eps)
+
+    def layout_seconds_total(self) -> float:
+        """Host seconds this rank's EP layers have spent turning plans into index layouts since they were built."""
+        return sum(ep.layout_seconds_total for ep in self.eps)
 
     def backward(self, loss: torch.Tensor) -> None:
         (loss * self.world).backward()
@@ -219,9 +225,13 @@ class DistributedRunner:
         extra = {}
         if self.eps:
             # the step's planning (every MoE layer, every micro-batch, split pieces included), slowest rank
-            plan_s = torch.tensor([self.plan_seconds_total() - self._plan_s0], dtype=torch.float64, device=self.device)
-            dist.all_reduce(plan_s, op=dist.ReduceOp.MAX)
-            extra = {"comm_bytes": comm_sum, "comm_bytes_total": sum(comm_sum.values()), "moe_plan_s": float(plan_s)}
+            # and the layouts built from the plans (plan -> per-pair index tensors), each the slowest rank's
+            host_s = torch.tensor([self.plan_seconds_total() - self._plan_s0,
+                                   self.layout_seconds_total() - self._layout_s0], dtype=torch.float64, device=self.device)
+            dist.all_reduce(host_s, op=dist.ReduceOp.MAX)
+            host_s = host_s.cpu()
+            extra = {"comm_bytes": comm_sum, "comm_bytes_total": sum(comm_sum.values()),
+                     "moe_plan_s": float(host_s[0]), "moe_layout_s": float(host_s[1])}
         return loss_total, kept, out_stats, nonfinite, extra
 
     def last_plans(self) -> list[list]:

@@ -432,8 +432,9 @@ class Trainer:
         self.timings["moe_bwd_s"] += bwd_s
         if plan_log.layers:
             extra["plans"] = plan_log.row()
-        if "moe_plan_s" in extra:  # EP runs: the step's planning over all MoE layers (part of moe_fwd_s)
-            self.timings["moe_plan_s"] = self.timings.get("moe_plan_s", 0.0) + extra["moe_plan_s"]
+        for key in ("moe_plan_s", "moe_layout_s"):  # EP runs: the step's planning and layouts (parts of moe_fwd_s)
+            if key in extra:
+                self.timings[key] = self.timings.get(key, 0.0) + extra[key]
         fracs = [k / d for k, d in kept if d]
         # A step whose rows hold no response token has no loss: None, not 0 (PPL 1), and the
         # PPL averages leave it out (the optimizer still steps, on a zero gradient).

@@ -29,6 +29,10 @@ Definitions (see docs/reproduce.md):
   Single-process and ``ep=1`` runs have no planner and leave the key out (not 0), like ``comm_bytes``;
   virtual-EP rows (``virtual_ep > 1``) have it (the planning of all G virtual ranks' layers, done once).
   ``summary.json``'s ``timings.moe_plan_s`` is the run's total (EP runs only).
+* ``moe_layout_s`` (expert-parallel rows only): host seconds spent turning the step's plans into
+  index layouts (:class:`~lrmoe.parallel.layout.Layout`: the plan's per-instance counts on the host,
+  the per-pair index tensors built on the device), summed and taken like ``moe_plan_s``; also a part
+  of ``moe_fwd_s``. ``timings.moe_layout_s`` in ``summary.json`` is the run's total.
 * ``plans`` (expert-parallel and virtual-EP rows): per MoE layer, the step's placement plans summed
   (calls, routed, forward-dropped and backward-kept pairs, replicas, planned per-rank memory,
   splits; :mod:`lrmoe.train.plan_log`).
@@ -48,7 +52,7 @@ from ..run_folder import read_metrics
 METRIC_KEYS = ("step", "epoch", "loss", "ppl", "lr", "grad_norm", "tokens", "label_tokens", "tokens_per_s",
                "step_time_s", "moe_fwd_s", "moe_bwd_s", "kept_fraction", "nonfinite", "layers", "elapsed_s")
 #: Keys that expert-parallel rows (``ep > 1``) add to :data:`METRIC_KEYS` (lrmoe.train.ep).
-EP_METRIC_KEYS = ("comm_bytes", "comm_bytes_total", "moe_plan_s", "plans")
+EP_METRIC_KEYS = ("comm_bytes", "comm_bytes_total", "moe_plan_s", "moe_layout_s", "plans")
 #: Keys that virtual-EP rows (``virtual_ep > 1``, lrmoe.train.virtual_ep) add: no bytes cross a network.
 VIRTUAL_EP_METRIC_KEYS = ("moe_plan_s", "plans")
 

@@ -165,8 +165,8 @@ def test_ep_lrmoe_c20_metrics_summary_and_files(runs):
 
 
 def test_ep_rows_carry_the_planning_time(runs):
-    """EP rows carry ``moe_plan_s`` (the step's planning over all MoE layers, > 0 and finite) with
-    the other EP keys; the single-process run has no planner and no such key."""
+    """EP rows carry ``moe_plan_s`` and ``moe_layout_s`` (the step's planning and index layouts over
+    all MoE layers, > 0 and finite) with the other EP keys; the single-process run has no planner and no such key."""
     import math
 
     from lrmoe.train.metrics import EP_METRIC_KEYS
@@ -176,15 +176,17 @@ def test_ep_rows_carry_the_planning_time(runs):
         assert len(rows) == 6, name
         for r in rows:
             assert set(EP_METRIC_KEYS) <= set(r), (name, set(EP_METRIC_KEYS) - set(r))
-            assert isinstance(r["moe_plan_s"], float) and math.isfinite(r["moe_plan_s"]) and r["moe_plan_s"] > 0, (
-                name, r["step"], r["moe_plan_s"])
-    assert all("moe_plan_s" not in r for r in metrics(runs / "single"))
+            for key in ("moe_plan_s", "moe_layout_s"):
+                assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] > 0, (name, r["step"], key, r[key])
+    assert all("moe_plan_s" not in r and "moe_layout_s" not in r for r in metrics(runs / "single"))
     # the summary's timings total it (a resumed run adds its own steps to the checkpointed total)
     import json
 
     for name in ("fixed", "lrmoe"):
         t = json.loads((runs / name / "summary.json").read_text())["timings"]
-        assert math.isclose(t["moe_plan_s"], sum(r["moe_plan_s"] for r in metrics(runs / name)), rel_tol=1e-9), (name, t)
+        for key in ("moe_plan_s", "moe_layout_s"):
+            assert math.isclose(t[key], sum(r[key] for r in metrics(runs / name)), rel_tol=1e-9), (name, key, t)
+    assert "moe_layout_s" not in json.loads((runs / "single" / "summary.json").read_text())["timings"]
     assert "moe_plan_s" not in json.loads((runs / "single" / "summary.json").read_text())["timings"]
 
 
