@@ -212,6 +212,18 @@ def model_config(preset: str, **overrides):
     return Glm4MoeConfig(**fields)
 
 
+def moe_dims(config) -> dict:
+    """The routed experts' dimensions of a Qwen3-MoE / GLM-4.5-MoE config, as a routing trace's meta
+    stores them (``lrmoe.sim``'s model dimensions): hidden, intermediate (one expert's FFN),
+    num_experts, top_k."""
+    E = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None)
+    if E is None or not hasattr(config, "moe_intermediate_size"):
+        raise ValueError(f"{type(config).__name__} has no routed experts (num_experts / n_routed_experts and "
+                         f"moe_intermediate_size)")
+    return {"hidden": int(config.hidden_size), "intermediate": int(config.moe_intermediate_size),
+            "num_experts": int(E), "top_k": int(config.num_experts_per_tok)}
+
+
 def build_model(preset: str, *, experts_implementation: str = IMPLEMENTATION, policy: BackwardPolicy | None = None,
                 dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> nn.Module:
     """A freshly initialised causal LM for ``preset`` with the given experts implementation."""

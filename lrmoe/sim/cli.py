@@ -7,6 +7,7 @@
     lrmoe simulate --scenario paper-qwen3 --out results/sim/paper-qwen3
     lrmoe simulate --scenario paper                      # the four paper scenarios, results/sim/<name>/
     lrmoe simulate --scenario pressure-glm --trace my_trace.npz --hardware h200-sxm
+    lrmoe simulate --scenario paper-qwen3 --trace RUN/routing_trace.npz --at-trace  # at the run's own model
 
 Each scenario writes ``simulation.json``, its tables (``tables/*.md`` + ``.tex``) and figures
 (``figures/*.png`` + ``.pdf``). Every number is simulated: the hardware preset and the trace are
@@ -46,6 +47,9 @@ def register_cli(sub) -> None:
                     help="a scenario of --list, 'paper' (the four paper scenarios) or 'all'")
     ap.add_argument("--trace", type=Path, default=None, metavar="PATH",
                     help="a routing trace file (docs/simulator.md) to replay instead of the scenario's workload")
+    ap.add_argument("--at-trace", action="store_true",
+                    help="with --trace: simulate at the trace's own configuration (its model's experts, MoE layers, "
+                         "ranks and tokens per rank) instead of the scenario's paper model")
     ap.add_argument("--hardware", default=None, metavar="NAME", help="hardware preset (default: the scenario's)")
     ap.add_argument("--steps", type=int, default=None, help="trace steps to simulate (default: the scenario's)")
     ap.add_argument("--layers", type=int, default=None, help="MoE layers to simulate (default: the scenario's)")
@@ -102,11 +106,20 @@ def run(args) -> int:
     if args.out.exists() and not args.out.is_dir():
         return _fail(f"--out {args.out} is a file; give a folder")
     trace = None
+    if args.at_trace and args.trace is None:
+        return _fail("--at-trace needs --trace PATH (the trace whose configuration to simulate at)")
     if args.trace is not None:
         from ..files import CorruptFileError
+        from .scenarios import at_trace, check_trace_fits
         from .trace import load_trace
         try:
             trace = load_trace(args.trace)
+            if args.at_trace:
+                dims = trace_dims(trace, args.trace)
+                scenarios = [at_trace(sc, trace, dims) for sc in scenarios]
+            else:
+                for sc in scenarios:
+                    check_trace_fits(sc, trace)
         except (OSError, CorruptFileError, ValueError) as e:
             return _fail(f"--trace {args.trace}: {e}")
     from paper_figures.results import paper_numbers
@@ -145,6 +158,29 @@ def run(args) -> int:
     if len(scenarios) > 1:
         print(f"[simulate] {len(scenarios)} scenarios in {time.perf_counter() - t_all:.1f} s", file=sys.stderr)
     return 0
+
+
+def trace_dims(trace, path: Path) -> dict:
+    """The routed experts' dimensions of the model a trace was recorded from: the meta's ``"dims"``
+    (traces recorded since they are stored), else the meta's model preset with its overrides, or
+    with those of the run folder the trace sits in (``summary.json``'s config). ValueError when
+    neither says."""
+    if isinstance(trace.meta.get("dims"), dict):
+        return trace.meta["dims"]
+    model = trace.meta.get("model")
+    overrides = trace.meta.get("model_overrides")
+    summary = Path(path).parent / "summary.json"
+    if overrides is None and summary.exists():
+        from ..files import read_json
+        cfg = read_json(summary).get("config", {})
+        if cfg.get("model") == model:
+            overrides = cfg.get("model_overrides") or {}
+    if not model or overrides is None:
+        raise ValueError("the trace's meta has no 'dims' and its model cannot be resolved (no 'model' and "
+                         "'model_overrides', and no run folder summary.json beside it); record it again with "
+                         "this version (lrmoe train --record-trace, lrmoe simulate record-trace)")
+    from ..hf.integration import model_config, moe_dims
+    return moe_dims(model_config(model, **overrides))
 
 
 def _replot(folders) -> int:

@@ -55,21 +55,26 @@ class Scenario:
     pressures: tuple = (1,)
     tables: tuple = ("T4", "T5")
     sweep: tuple = ()  # (field, values): one simulation per value (F5); drop ratio applies to lrmoe
+    model_dims: tuple | None = None  # (hidden, intermediate, experts, top-k, MoE layers) instead of MODELS[model]
+
+    def shape(self) -> tuple:
+        """(hidden, expert FFN, experts, top-k, MoE layers) of the simulated model."""
+        return tuple(self.model_dims) if self.model_dims is not None else MODELS[self.model]
 
     def dims(self) -> ModelDims:
-        H, I, E, K, _ = MODELS[self.model]
+        H, I, E, K, _ = self.shape()
         # bf16 weights and activations, fp32 gradients, optimizer state off the layer's budget
         return ModelDims(hidden=H, intermediate=I, num_experts=E, top_k=K, dtype_bytes=2, grad_bytes=4,
                          optimizer_bytes_per_param=0)
 
     def cluster(self) -> Cluster:
-        E = MODELS[self.model][2]
+        E = self.shape()[2]
         per = self.ranks_per_domain
         return Cluster(num_ranks=self.ranks, slots_per_rank=E // self.ranks + self.extra_slots,
                        fast_domains=tuple(tuple(range(d, min(d + per, self.ranks))) for d in range(0, self.ranks, per)))
 
     def num_layers(self) -> int:
-        return MODELS[self.model][4] if self.layers is None else self.layers
+        return self.shape()[4] if self.layers is None else self.layers
 
 
 def _paper(model: str, short: str) -> list[Scenario]:
@@ -109,9 +114,43 @@ def scenario_trace(sc: Scenario):
     """The scenario's synthetic trace at its own scale (``lrmoe.sim.workloads``)."""
     from .workloads import synthetic_trace  # noqa: PLC0415 (the workloads module is optional for trace files)
 
-    E, K = MODELS[sc.model][2], MODELS[sc.model][3]
+    E, K = sc.shape()[2], sc.shape()[3]
     return synthetic_trace(sc.workload, steps=sc.steps, layers=sc.num_layers(), num_ranks=sc.ranks, num_experts=E,
                            tokens_per_rank=sc.tokens_per_rank, top_k=K, seed=sc.seed, **sc.workload_params)
+
+
+def check_trace_fits(sc: Scenario, trace) -> None:
+    """ValueError, before any planning, when ``trace`` routes over other experts than ``sc`` simulates."""
+    E, K = sc.shape()[2], sc.shape()[3]
+    if trace.num_experts != E or trace.top_k != K:
+        raise ValueError(f"the trace routes over {trace.num_experts} experts, top-{trace.top_k}; scenario {sc.name!r} "
+                         f"simulates {E} experts, top-{K} ({sc.model}): replay the trace at its own model and "
+                         f"ranks (lrmoe simulate --trace PATH --at-trace, or at_trace()), or record one from a "
+                         f"model with {E} experts")
+
+
+def at_trace(sc: Scenario, trace, dims: dict) -> Scenario:
+    """``sc`` at the configuration the trace was recorded at: the model's routed experts ``dims``
+    (``{"hidden", "intermediate", "num_experts", "top_k"}``, a trace meta's ``"dims"``), the trace's
+    MoE layers, source ranks (one fast domain) and tokens per rank; the scenario's methods, budget
+    reading, hardware, pressures and extra replica slots are kept."""
+    missing = [k for k in ("hidden", "intermediate", "num_experts", "top_k") if k not in dims]
+    if missing:
+        raise ValueError(f"model dims lack {missing}")
+    if (int(dims["num_experts"]), int(dims["top_k"])) != (trace.num_experts, trace.top_k):
+        raise ValueError(f"the model dims say {dims['num_experts']} experts, top-{dims['top_k']}, but the trace "
+                         f"routes over {trace.num_experts}, top-{trace.top_k}")
+    G = trace.num_ranks
+    if trace.num_experts % G:
+        raise ValueError(f"the trace's {trace.num_experts} experts do not split over its {G} ranks")
+    name = trace.meta.get("model", "trace")
+    return dataclasses.replace(
+        sc, name=f"{sc.name}@trace", model=f"trace of {name}", ranks=G, ranks_per_domain=G,
+        tokens_per_rank=max(1, int(round(float(trace.meta["tokens_per_rank"])))), sweep=(),
+        model_dims=(int(dims["hidden"]), int(dims["intermediate"]), trace.num_experts, trace.top_k, trace.layers),
+        description=f"{sc.description} -- at the trace's own configuration ({name}: H {dims['hidden']}, I "
+                    f"{dims['intermediate']}, E {trace.num_experts}, top-{trace.top_k}, {trace.layers} MoE layers, "
+                    f"EP{G}, {trace.meta['tokens_per_rank']:g} tokens per rank)")
 
 
 def budget_bytes_for(sc: Scenario, counts_SLGE: np.ndarray) -> float:
@@ -147,9 +186,10 @@ def run_scenario(sc: Scenario, trace=None, *, hardware=None, include_planning: b
     if trace is None:
         trace = scenario_trace(sc)
     else:
+        check_trace_fits(sc, trace)
         if trace.num_ranks != sc.ranks:
             trace = trace.regrouped(sc.ranks)
-        trace = trace.scaled(sc.tokens_per_rank * MODELS[sc.model][3])
+        trace = trace.scaled(sc.tokens_per_rank * sc.shape()[3])
     counts = trace.counts
     budget = budget_bytes_for(sc, counts)
     methods: dict = {}

@@ -283,7 +283,8 @@ class Trainer:
 
             G = max(cfg.ep, cfg.virtual_ep)
             self.trace = TraceRecorder(cfg.record_trace, cfg, run_dir=out, main=self.main, steps_done=self.step_done,
-                                       tokens_per_rank=cfg.micro_batch // G * cfg.seq_len)
+                                       tokens_per_rank=cfg.micro_batch // G * cfg.seq_len,
+                                       dims=hf.integration.moe_dims(self.model.config))
         self.base = self._describe()
 
     # ------------------------------------------------------------------ set-up

@@ -108,6 +108,7 @@ def record_model_trace(run_dir: str | Path, *, num_ranks: int = 8, steps: int = 
             "model": cfg.model, "model_overrides": dict(cfg.model_overrides), "run": str(run_dir),
             "checkpoint_step": step, "data": str(cfg.data), "split": split, "rows_per_rank": rows_per_rank,
             "seq_len": int(ids.shape[1]), "generator": "lrmoe.train.model_trace/1",
+            "dims": hf.integration.moe_dims(model.config),
             "train_config": json.loads(json.dumps({k: v for k, v in vars(cfg).items() if not k.startswith("_")},
                                                   default=str))}
     return Trace(np.stack(counts), meta)

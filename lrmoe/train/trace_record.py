@@ -22,8 +22,11 @@ from ..sim.trace import Trace, load_trace, save_trace
 
 
 class TraceRecorder:
-    def __init__(self, path, cfg, *, run_dir, main: bool, steps_done: int, tokens_per_rank: int):
-        """``path``: where to write (None: the run folder's own trace)."""
+    def __init__(self, path, cfg, *, run_dir, main: bool, steps_done: int, tokens_per_rank: int,
+                 dims: dict | None = None):
+        """``path``: where to write (None: the run folder's own trace); ``dims``: the model's routed
+        experts (:func:`lrmoe.hf.integration.moe_dims`), stored in the meta so that the trace replays
+        at the run's own configuration (``lrmoe simulate --trace T --at-trace``)."""
         own = Path(run_dir) / TRACE
         self.path, self.main = Path(path) if path else own, main
         own_file = self.path.resolve() == own.resolve()
@@ -31,7 +34,9 @@ class TraceRecorder:
         self.meta = {"source": "runtime", "top_k": None, "tokens_per_rank": tokens_per_rank, "model": cfg.model,
                      "placement": cfg.placement, "ep": cfg.virtual_ep if virtual else cfg.ep,
                      "drop_ratio": cfg.drop_ratio, "seed": cfg.seed, "grad_accum": cfg.grad_accum,
-                     "git_rev": git_revision(), "unit": "micro-batch", **({"virtual": True} if virtual else {})}
+                     "git_rev": git_revision(), "unit": "micro-batch", **({"virtual": True} if virtual else {}),
+                     "model_overrides": dict(getattr(cfg, "model_overrides", None) or {}),
+                     **({"dims": dict(dims)} if dims else {})}
         self.counts: list[np.ndarray] = []
         done = steps_done * cfg.grad_accum
         if self.path.exists() and not (own_file and steps_done == 0):

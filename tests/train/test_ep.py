@@ -349,6 +349,8 @@ def test_ep_records_the_routing_trace_the_simulator_replans(runs):
     assert tr.meta["source"] == "runtime" and tr.meta["top_k"] == 2 and tr.meta["placement"] == "lrmoe"
     assert (tr.counts.sum((2, 3)) == 4 * 64 * 2).all()  # every micro-batch: 4 rows x 64 tokens x top-2
     cfg = model_config("qwen3-moe-tiny")
+    assert tr.meta["dims"] == {"hidden": cfg.hidden_size, "intermediate": cfg.moe_intermediate_size,
+                               "num_experts": 8, "top_k": 2}  # replays at the run's own model (--at-trace)
     dims = ModelDims(cfg.hidden_size, cfg.moe_intermediate_size, 8, 2, 4, 4, 12)
     rows = metrics(runs / "lrmoe")
     for step, row in enumerate(rows):
