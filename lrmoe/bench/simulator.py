@@ -250,7 +250,7 @@ def worker(args):
             ep = ExpertParallel(E, env.ep_group, placement, slots_per_rank=slots, **opts)
             mods.append((ep, ExpertParallelExperts.from_full(gu, dn, ep, BackwardPolicy(drop_ratio=drop))))
             recs.append({"routing": routing, "placement": placement, "drop_ratio": drop, "options": opts,
-                         "fwd_s": [], "bwd_s": [], "plans": [], "comm": []})
+                         "fwd_s": [], "bwd_s": [], "plans": [], "comm": [], "quota": [], "kept": []})
         # round-robin: each step runs every method once, so a load change on the machine falls on
         # all methods alike instead of on whichever ran then
         for s in range(args.steps + 1):
@@ -266,6 +266,8 @@ def worker(args):
                 rec["fwd_s"].append(f)
                 rec["bwd_s"].append(b)
                 rec["comm"].append(dict(mod.last_backward.comm_bytes))
+                rec["quota"].append([int(v) for v in mod.last_backward.quota.tolist()])  # this rank's pairs, per expert
+                rec["kept"].append([int(v) for v in mod.last_backward.kept.tolist()])
         runs.extend(recs)
     gathered = [None] * G
     dist.all_gather_object(gathered, {"calib": calib, "runs": [{k: v for k, v in x.items() if k != "plans"}
@@ -276,10 +278,32 @@ def worker(args):
     shutdown()
 
 
-def _row_bytes(plan, H: int, b: int) -> int:
-    """Bytes of token rows leaving their rank in the dispatch (what the runtime counts as fwd_dispatch)."""
-    off = plan.rank_N[None, :] != np.arange(plan.send_GN.shape[0])[:, None]
-    return int((plan.send_GN * off).sum()) * H * b
+def compare_step(plan, dims, m, comm_G: list[dict], quota_G: list, kept_G: list) -> dict:
+    """One executed step, the runtime's counts (per rank: ``comm_bytes`` by kind, backward quota
+    and kept pairs per expert) against the simulator's for the same plan: ``{"kinds": {kind:
+    equal on every rank}, "quota": bool, "kept": bool, "mismatch": [...]}``."""
+    from ..planning.plan import expert_sum_kernel
+    from ..sim.cost import COMM_KINDS, comm_bytes_G
+
+    G, E = plan.demand_GE.shape
+    sim = comm_bytes_G(plan, dims, selects=m.selects)
+    kinds, mismatch = {}, []
+    for kind in COMM_KINDS:
+        got = [int(c.get(kind, 0)) for c in comm_G]
+        want = [int(round(x)) for x in sim[kind]]
+        kinds[kind] = got == want
+        if got != want:
+            mismatch.append(f"{kind}: runtime {got}, simulator {want}")
+    # the backward quota of each rank's own pairs per expert, and the pairs it kept (top-quota
+    # selection keeps exactly the quota)
+    q_GE = expert_sum_kernel(np.ascontiguousarray(plan.backward_quota_GN), np.ascontiguousarray(plan.expert_N), E)
+    quota_ok = np.array_equal(np.asarray(quota_G, dtype=np.int64), q_GE)
+    kept_ok = np.array_equal(np.asarray(kept_G, dtype=np.int64), q_GE)
+    if not quota_ok:
+        mismatch.append(f"quota: runtime {np.asarray(quota_G).tolist()}, simulator {q_GE.tolist()}")
+    if not kept_ok:
+        mismatch.append(f"kept: runtime {np.asarray(kept_G).tolist()}, simulator {q_GE.tolist()}")
+    return {"kinds": kinds, "quota": quota_ok, "kept": kept_ok, "mismatch": mismatch}
 
 
 def write_calibration(args, c0: dict):
@@ -329,9 +353,12 @@ def report(args, gathered, runs, env) -> None:
             # the per-rank memory the runtime's plan reports (its own ModelDims) against the simulator's
             same_memory += all(np.array_equal(getattr(p.memory, f.name), getattr(q.memory, f.name))
                                for f in dataclasses.fields(p.memory))
-        comm = [g["runs"][i]["comm"] for g in gathered]
-        meas_bytes = [sum(c[s].get("fwd_dispatch", 0) for c in comm) for s in range(timed)]
-        bytes_ok = sum(mb == _row_bytes(p, H, 4) for mb, p in zip(meas_bytes, plans[1:]))
+        steps = [compare_step(p, dims, m, [g["runs"][i]["comm"][s] for g in gathered],
+                              [g["runs"][i]["quota"][s] for g in gathered], [g["runs"][i]["kept"][s] for g in gathered])
+                 for s, p in enumerate(plans[1:])]
+        bytes_ok = sum(all(c["kinds"].values()) for c in steps)
+        kept_ok = sum(c["quota"] and c["kept"] for c in steps)
+        mismatches = [f"step {s + 1}: {x}" for s, c in enumerate(steps) for x in c["mismatch"]]
         # per step the slowest rank (the barrier-to-barrier time is the straggler's)
         fwd_s = [max(g["runs"][i]["fwd_s"][s] for g in gathered) for s in range(timed)]
         bwd_s = [max(g["runs"][i]["bwd_s"][s] for g in gathered) for s in range(timed)]
@@ -346,7 +373,11 @@ def report(args, gathered, runs, env) -> None:
                      "measured_total_iqr_ms": [1e3 * q1, 1e3 * q3],
                      "error_fwd": pf / fwd - 1, "error_bwd": pb / bwd - 1,
                      "error_total": (pf + pb) / statistics.median(tot_s) - 1,
-                     "same_plans": same, "same_memory": same_memory, "plans": len(plans), "steps": timed, "dispatch_bytes_equal": bytes_ok})
+                     "same_plans": same, "same_memory": same_memory, "plans": len(plans), "steps": timed,
+                     "bytes_equal": bytes_ok, "kept_and_quota_equal": kept_ok, "mismatches": mismatches,
+                     "bytes_by_kind_equal": {k: sum(c["kinds"][k] for c in steps) for k in steps[0]["kinds"]} if steps else {}})
+        for x in mismatches:
+            print(f"MISMATCH {rec['routing']} {rows[-1]['method']} {x}")
         same_total += same
         same_memory_total += same_memory
         plans_total += len(plans)
@@ -365,22 +396,27 @@ def report(args, gathered, runs, env) -> None:
                     resolved_pairs += 1
                     resolved_agree += (x["measured_total_ms"] < y["measured_total_ms"]) == \
                         (x["predicted_total_ms"] < y["predicted_total_ms"])
+    steps_total = sum(r["steps"] for r in rows)
     summary = {"plans_identical": f"{same_total} of {plans_total}",
+               "bytes_identical": f"{sum(r['bytes_equal'] for r in rows)} of {steps_total} steps (every all-to-all kind, "
+                                  f"every rank)",
+               "kept_and_quota_identical": f"{sum(r['kept_and_quota_equal'] for r in rows)} of {steps_total} steps",
                "plan_memory_identical": f"{same_memory_total} of {plans_total}",
                "median_abs_error_total": statistics.median(errs), "max_abs_error_total": max(errs),
                "same_order": f"{sum(order_ok)} of {len(order_ok)} routings",
                "resolved_pairs_same_order": f"{resolved_agree} of {resolved_pairs}",
                "targets": "median |error| <= 15 %, none over 30 %, same order (issue 13)"}
-    lines = ["| routing | method | fwd ms (pred) | bwd ms (pred) | total ms (pred) | error | same plans | bytes equal |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| routing | method | fwd ms (pred) | bwd ms (pred) | total ms (pred) | error | same plans | bytes equal "
+             "| kept, quotas equal |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['routing']} | {r['method']} | {r['measured_fwd_ms']:.2f} ({r['predicted_fwd_ms']:.2f}) | "
                      f"{r['measured_bwd_ms']:.2f} ({r['predicted_bwd_ms']:.2f}) | {r['measured_total_ms']:.2f} "
                      f"({r['predicted_total_ms']:.2f}) | {100 * r['error_total']:+.1f} % | {r['same_plans']}/{r['plans']} "
-                     f"| {r['dispatch_bytes_equal']}/{r['steps']} |")
+                     f"| {r['bytes_equal']}/{r['steps']} | {r['kept_and_quota_equal']}/{r['steps']} |")
     print("\n".join(lines))
     print(f"plans identical {summary['plans_identical']} (their memory, every rank and component: "
-          f"{summary['plan_memory_identical']}); |error| of the total: median "
+          f"{summary['plan_memory_identical']}); bytes {summary['bytes_identical']}; kept pairs and quotas "
+          f"{summary['kept_and_quota_identical']}; |error| of the total: median "
           f"{100 * summary['median_abs_error_total']:.1f} %, max {100 * summary['max_abs_error_total']:.1f} %; "
           f"methods in the same order in {summary['same_order']}; method pairs the measurement orders "
           f"(interquartile ranges apart) predicted in the same order: {summary['resolved_pairs_same_order']}")

@@ -76,6 +76,40 @@ def replica_bytes_GG(plan: Plan, dims: ModelDims, bytes_per_param: int) -> np.nd
     return out
 
 
+#: The runtime's all-to-all kinds (``BackwardRecord.comm_bytes``; ``lrmoe.train.ep.COMM_KEYS``), in its order.
+COMM_KINDS = ("fwd_weights", "fwd_dispatch", "fwd_combine", "fwd_phi", "bwd_grad_rows", "bwd_grad_index", "bwd_dx",
+              "bwd_weight_grads")
+
+
+def comm_matrices(plan: Plan, dims: ModelDims, *, selects: bool, compact: bool = True) -> dict[str, np.ndarray]:
+    """Per all-to-all kind of the runtime, the [G, G] bytes rank s sends to rank t (the diagonal:
+    what stays on a rank) when the plan is executed: token rows and weights in ``dims.dtype_bytes``
+    (the runtime sends both in the weights' dtype), phi norms as float32, kept-row positions as
+    int32 (compact path only), weight gradients back to the owners. :func:`layer_cost` times these
+    matrices; ``lrmoe bench simulator`` checks them against the bytes the runtime counts."""
+    G = plan.demand_GE.shape[0]
+    H, b = dims.hidden, dims.dtype_bytes
+    send, quota, rank_N = plan.send_GN, plan.backward_quota_GN, plan.rank_N
+    compacts = selects and compact and bool((quota != send).any())
+    rows_GG = _to_ranks(send, rank_N, G)  # token side -> expert side, pairs
+    back_GG = _to_ranks(quota, rank_N, G) if compacts else rows_GG
+    weights_GG = replica_bytes_GG(plan, dims, b)
+    return {"fwd_weights": weights_GG, "fwd_dispatch": rows_GG * (H * b), "fwd_combine": rows_GG.T * (H * b),
+            "fwd_phi": rows_GG.T * 4 if selects else np.zeros((G, G)), "bwd_grad_rows": back_GG * (H * b),
+            "bwd_grad_index": back_GG * 4 if compacts else np.zeros((G, G)), "bwd_dx": back_GG.T * (H * b),
+            "bwd_weight_grads": weights_GG.T}
+
+
+def comm_bytes_G(plan: Plan, dims: ModelDims, *, selects: bool, compact: bool = True) -> dict[str, np.ndarray]:
+    """Per kind, the bytes each rank sends to the other ranks ([G]; the runtime's count)."""
+    out = {}
+    for kind, m in comm_matrices(plan, dims, selects=selects, compact=compact).items():
+        off = m.copy()
+        np.fill_diagonal(off, 0.0)
+        out[kind] = off.sum(1)
+    return out
+
+
 def layer_cost(plan: Plan, cluster: Cluster, dims: ModelDims, hw: Hardware, *, selects: bool, compact: bool = True,
                plan_seconds: float = 0.0) -> dict:
     """Phase times (seconds, slowest rank each) of one executed plan (one microbatch piece):
@@ -88,11 +122,9 @@ def layer_cost(plan: Plan, cluster: Cluster, dims: ModelDims, hw: Hardware, *, s
     compacts = selects and compact and bool((quota != send).any())
     rows_N, kept_N = send.sum(0), quota.sum(0)
     pairs_G = send.sum(1)  # computed pairs of each rank's own tokens (over-capacity drops excluded)
-    row_GG = _to_ranks(send, rank_N, G) * (H * b)
     back_rows_N = kept_N if compacts else rows_N
     back_sent_G = (quota if compacts else send).sum(1)
-    back_rows_GG = _to_ranks(quota if compacts else send, rank_N, G)
-    back_GG = back_rows_GG * (H * b + (4 if compacts else 0))  # compact: each kept row's int32 position too
+    M = comm_matrices(plan, dims, selects=selects, compact=compact)
     has_replica = bool(fetched_GE(plan.expert_N, plan.rank_N, G, plan.demand_GE.shape[1]).any())
 
     def per_rank(fn) -> float:
@@ -105,24 +137,24 @@ def layer_cost(plan: Plan, cluster: Cluster, dims: ModelDims, hw: Hardware, *, s
         "overhead": hw.forward_overhead_s,
         "demand": hw.a2a_latency_s if G > 1 else 0.0,  # [G, E] int64 counts: latency-bound
         "plan": float(plan_seconds),
-        "weight_sync": _a2a(hw, cluster, replica_bytes_GG(plan, dims, b)) if has_replica else 0.0,
-        "dispatch": _a2a(hw, cluster, row_GG),
+        "weight_sync": _a2a(hw, cluster, M["fwd_weights"]) if has_replica else 0.0,
+        "dispatch": _a2a(hw, cluster, M["fwd_dispatch"]),
         "gemm": per_rank(lambda r: hw.gemm_seconds(rows_N[on(r)], 6.0 * H * I, calls=2)
                          + hw.hbm_seconds(int(rows_N[on(r)].sum()) * 3 * I * b)),  # SwiGLU: read 2I, write I
-        "combine": _a2a(hw, cluster, row_GG.T * ((H * b + (4 if selects else 0)) / (H * b))),
+        "combine": _a2a(hw, cluster, M["fwd_combine"] + M["fwd_phi"]),  # output rows (+ their phi norms)
         "rows": per_rank(lambda r: hw.row_seconds((5 * int(pairs_G[r]) + 4 * int(rows_N[on(r)].sum())) * H * b)),
     }
     bwd = {
         "overhead": hw.backward_overhead_s,
         "router_grad": per_rank(lambda r: hw.hbm_seconds(int(pairs_G[r]) * 2 * H * b)),  # O rows and g per pair
         "score_select": per_rank(lambda r: hw.hbm_seconds(int(pairs_G[r]) * 16)) if selects else 0.0,
-        "grad_rows": _a2a(hw, cluster, back_GG),
+        "grad_rows": _a2a(hw, cluster, M["bwd_grad_rows"] + M["bwd_grad_index"]),  # compact: + int32 positions
         "gather": 0.0 if (hw.fuse_gather or not compacts)
         else per_rank(lambda r: hw.row_seconds(2 * int(kept_N[on(r)].sum()) * (H + 2 * I) * b)),
         "gemm": per_rank(lambda r: hw.gemm_seconds(back_rows_N[on(r)], 12.0 * H * I, calls=4)
                          + hw.hbm_seconds(int(back_rows_N[on(r)].sum()) * 5 * I * b)),  # SwiGLU bwd: GU, dh -> dGU
-        "dx": _a2a(hw, cluster, back_rows_GG.T * (H * b)),  # dX rows only: no positions come back
-        "weight_grads": _a2a(hw, cluster, replica_bytes_GG(plan, dims, b).T) if has_replica else 0.0,
+        "dx": _a2a(hw, cluster, M["bwd_dx"]),  # dX rows only: no positions come back
+        "weight_grads": _a2a(hw, cluster, M["bwd_weight_grads"]) if has_replica else 0.0,
         "rows": per_rank(lambda r: hw.row_seconds((5 * int(back_sent_G[r]) + 4 * int(back_rows_N[on(r)].sum()))
                                                   * H * b)),
     }
