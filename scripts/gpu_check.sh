@@ -112,7 +112,7 @@ if [ "$gpu" = no-gpu ]; then  # only the plumbing can be checked without a GPU
     echo "no CUDA GPU: a dry run of the plumbing (a tiny training step, smoke shapes; the fast step first)"
     step train_step 55 $PY scripts/gpu_train_step.py --allow-cpu --preset smoke --run qwen3-C20-lrm-s0 --steps 1 \
         --data "$data" --out "$RES/train_step"
-    step bench_grouped_gemm 90 $PY scripts/bench_grouped_gemm.py --smoke --reps 1 --out "$RES"
+    step bench_grouped_gemm 90 $PY scripts/bench_grouped_gemm.py --smoke --sections gemm --reps 1 --out "$RES"
     skip sim_preset "needs the CUDA grouped-GEMM rows"
     skip bench_layer "needs CUDA"
     skip train_step_fsdp "needs CUDA (NCCL)"

@@ -67,7 +67,7 @@ def test_killed_run_keeps_the_finished_steps(tmp_path):
             time.sleep(0.2)
         assert proc.poll() is None, "the script ended before it could be killed: " + proc.stdout.read()[-2000:]
         assert "train_step rc=0" in steps.read_text()
-        time.sleep(1.0)  # the second step (the grouped GEMM under the interpreter, ~25 s) is running
+        time.sleep(1.0)  # the second step (the grouped GEMM under the interpreter, ~15 s) is running
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
