@@ -151,13 +151,13 @@ def simulated_step_seconds(method, counts_SLGE: np.ndarray, cluster, dims, hw, b
     run_method's ``moe_seconds`` (tests/experiments/test_time_to_target.py)."""
     from lrmoe.planning.step import plan_layer
     from lrmoe.sim.cost import layer_cost
-    from lrmoe.sim.simulate import even_pieces
+    from lrmoe.sim.simulate import even_pieces, host_layout_seconds
 
     S, L = counts_SLGE.shape[:2]
     kw = dict(options=method.options, selects=method.selects, drop_ratio=method.drop_ratio, quota=method.quota,
               quota_options=method.quota_options)
     states: list = [None] * L
-    step_s, ran_per_step, plan_ms, oom = [], [], [], 0
+    step_s, ran_per_step, plan_ms, layout_ms, oom = [], [], [], [], 0
     for s in range(S):
         total, ran = 0.0, 0
         for layer in range(L):
@@ -173,14 +173,17 @@ def simulated_step_seconds(method, counts_SLGE: np.ndarray, cluster, dims, hw, b
                 oom += 1
                 continue
             ran += 1
+            layout_ms.append(1e3 * sum(host_layout_seconds(p, selects=method.selects, compact=method.mode == "compact")
+                                       for p in pieces))
             for p in pieces:
                 c = layer_cost(p, cluster, dims, hw, selects=method.selects, compact=method.mode == "compact")
                 total += c["forward_s"] + c["backward_s"]
         step_s.append(total)
         ran_per_step.append(ran)
     charge = statistics.median(plan_ms) / 1e3 if include_planning and plan_ms else 0.0
-    return {"step_s": [t + charge * n for t, n in zip(step_s, ran_per_step)], "step_s_no_planning": step_s,
-            "planning_s_per_plan": charge, "oom_plans": oom, "plans": S * L}
+    layout = statistics.median(layout_ms) / 1e3 if include_planning and layout_ms else 0.0
+    return {"step_s": [t + (charge + layout) * n for t, n in zip(step_s, ran_per_step)], "step_s_no_planning": step_s,
+            "planning_s_per_plan": charge, "layout_s_per_plan": layout, "oom_plans": oom, "plans": S * L}
 
 
 def _scenario(family: str):
@@ -236,7 +239,7 @@ def simulate_family(res: Results, family: str, runs: dict[str, Run], say=None) -
             return (per_micro.reshape(-1, ga).sum(1) if per_micro.size % ga == 0 else per_micro).tolist()
 
         entry = {"settings": settings, "step_s": per_step("step_s"), "step_s_no_planning": per_step("step_s_no_planning"),
-                 "planning_s_per_plan": sim["planning_s_per_plan"],
+                 "planning_s_per_plan": sim["planning_s_per_plan"], "layout_s_per_plan": sim["layout_s_per_plan"],
                  "oom_plans": sim["oom_plans"], "plans": sim["plans"], "trace_layers": tr.layers,
                  "paper_layers": MODELS[sc.model][4], "tokens_per_rank": sc.tokens_per_rank, "simulated": True}
         cache.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,7 @@ import numpy as np
 from ..planning.plan import Cluster, ModelDims, Plan, fetched_GE
 from .hardware import Hardware
 
-FORWARD = ("overhead", "demand", "plan", "weight_sync", "dispatch", "gemm", "combine", "rows")
+FORWARD = ("overhead", "demand", "plan", "layout", "weight_sync", "dispatch", "gemm", "combine", "rows")
 BACKWARD = ("overhead", "router_grad", "score_select", "grad_rows", "gather", "gemm", "dx", "weight_grads", "rows")
 
 
@@ -58,7 +58,8 @@ def _to_ranks(x_GN: np.ndarray, rank_N: np.ndarray, G: int) -> np.ndarray:
 
 #: bumped whenever a change here changes a cost: caches of simulated times (T3's ``sim/e3``) key on it.
 #: 2: weight copies are the (rank, expert) pairs the runtime fetches; dX rows return without positions.
-COST_MODEL_VERSION = 2
+#: 3: the host's layout time (lrmoe.planning.layout.layout_counts, slowest rank) is charged beside planning.
+COST_MODEL_VERSION = 3
 
 
 def replica_bytes_GG(plan: Plan, dims: ModelDims, bytes_per_param: int) -> np.ndarray:
@@ -137,6 +138,7 @@ def layer_cost(plan: Plan, cluster: Cluster, dims: ModelDims, hw: Hardware, *, s
         "overhead": hw.forward_overhead_s,
         "demand": hw.a2a_latency_s if G > 1 else 0.0,  # [G, E] int64 counts: latency-bound
         "plan": float(plan_seconds),
+        "layout": 0.0,  # the host's layout_counts: measured and charged by the simulator (lrmoe.sim.simulate)
         "weight_sync": _a2a(hw, cluster, M["fwd_weights"]) if has_replica else 0.0,
         "dispatch": _a2a(hw, cluster, M["fwd_dispatch"]),
         "gemm": per_rank(lambda r: hw.gemm_seconds(rows_N[on(r)], 6.0 * H * I, calls=2)

@@ -11,8 +11,9 @@ pairs, counted). SYMI's state carries from step to step per layer, as in the run
 Per method the result holds the memory of the executed plans (worst rank per component, median
 and max over the (step, layer) plans), the forward and backward time per layer (mean over the
 executed (step, layer) plans, so that layers x steps x mean is the cumulative MoE-layer time; also
-per phase), the planning time (the median of the planner's host times, charged to every plan's
-forward unless ``include_planning=False``), the fallbacks, and the throughput: useful pairs (pairs
+per phase), the host time (the median of the planner's host times and the median of the layouts'
+host times, :func:`host_layout_seconds`, each charged to every plan's forward unless
+``include_planning=False``), the fallbacks, and the throughput: useful pairs (pairs
 computed in forward: routed pairs minus those dropped over capacity) per second of MoE-layer time.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Callable
 import numpy as np
 
 from ..planning.memory import GIB
+from ..planning.layout import layout_counts
 from ..planning.plan import Cluster, ModelDims
 from ..planning.step import plan_layer
 from .cost import BACKWARD, FORWARD, layer_cost
@@ -76,6 +78,23 @@ def _summ(values) -> dict:
     return {"median": statistics.median(v), "max": max(v), "mean": statistics.fmean(v)}
 
 
+def host_layout_seconds(plan, *, selects: bool, compact: bool = True) -> float:
+    """Host seconds of the slowest rank's layout of ``plan`` (:func:`lrmoe.planning.layout.layout_counts`
+    with the runtime's arguments, each rank timed in turn): what the runtime's ``Layout`` computes on
+    the host per MoE layer and rank (``moe_layout_s``), the device's index expansion excluded."""
+    G, E = plan.demand_GE.shape
+    compacts = selects and compact and bool((plan.backward_quota_GN != plan.send_GN).any())
+    worst = 0.0
+    for r in range(G):
+        t0 = time.perf_counter()
+        layout_counts(np.ascontiguousarray(plan.expert_N, dtype=np.int64), np.ascontiguousarray(plan.rank_N, dtype=np.int64),
+                      np.ascontiguousarray(plan.send_GN, dtype=np.int64),
+                      np.ascontiguousarray(plan.backward_quota_GN, dtype=np.int64),
+                      np.ascontiguousarray(plan.demand_GE[r], dtype=np.int64), r, E // G, compacts)
+        worst = max(worst, time.perf_counter() - t0)
+    return worst
+
+
 def run_method(method: Method, counts_SLGE: np.ndarray, cluster: Cluster, dims: ModelDims, hw: Hardware,
                budget_bytes: float, *, include_planning: bool = True,
                progress: Callable[[int, int], None] | None = None) -> dict:
@@ -86,7 +105,7 @@ def run_method(method: Method, counts_SLGE: np.ndarray, cluster: Cluster, dims: 
               quota_options=method.quota_options)
     fallbacks: Counter = Counter()
     mem = {k: [] for k in ("base", "replicas", "tokens", "subtotal")}
-    fwd, bwd, plan_ms = [], [], []
+    fwd, bwd, plan_ms, layout_ms = [], [], [], []
     phases = {("forward", p): [] for p in FORWARD} | {("backward", p): [] for p in BACKWARD}
     useful = routed = dropped = kept = replicas = 0
     oom = 0
@@ -112,6 +131,8 @@ def run_method(method: Method, counts_SLGE: np.ndarray, cluster: Cluster, dims: 
             plan_ms.append(plan_s * 1e3)
             costs = [layer_cost(p, cluster, dims, hw, selects=method.selects, compact=method.mode == "compact")
                      for p in pieces]
+            layout_ms.append(1e3 * sum(host_layout_seconds(p, selects=method.selects, compact=method.mode == "compact")
+                                       for p in pieces))
             summaries = [p.memory.summary() for p in pieces]
             mem["base"].append(max(m["base"] for m in summaries) / GIB)
             mem["replicas"].append(max(m["replicas"] for m in summaries) / GIB)
@@ -132,8 +153,11 @@ def run_method(method: Method, counts_SLGE: np.ndarray, cluster: Cluster, dims: 
     # planning is charged to every executed plan at the median of the planner times measured on this
     # host: the planner's cost, robust to the host's other load (a mean would carry its spikes)
     plan_charge = (_summ(plan_ms)["median"] or 0.0) if include_planning else 0.0
-    fwd = [f + plan_charge for f in fwd]
+    layout_charge = (_summ(layout_ms)["median"] or 0.0) if include_planning else 0.0  # likewise the layouts
+    fwd = [f + plan_charge + layout_charge for f in fwd]
     phases[("forward", "plan")] = [plan_charge] * ran
+    phases[("forward", "layout")] = [layout_charge] * ran
+    host_charge = plan_charge + layout_charge
     total_s = (sum(fwd) + sum(bwd)) / 1e3
     return {
         "method": dataclasses.asdict(method),
@@ -145,6 +169,8 @@ def run_method(method: Method, counts_SLGE: np.ndarray, cluster: Cluster, dims: 
         "total_ms_per_layer_median": _summ([a + b for a, b in zip(fwd, bwd)])["median"],
         "planning_ms_per_layer": plan_charge if include_planning else _summ(plan_ms)["median"],
         "planning_ms_measured": _summ(plan_ms),
+        "layout_ms_per_layer": layout_charge if include_planning else _summ(layout_ms)["median"],
+        "layout_ms_measured": _summ(layout_ms),
         "planning_included": include_planning,
         "phases_ms": {part: {p: _summ(phases[(part, p)])["mean"] for p in (FORWARD if part == "forward" else BACKWARD)}
                       for part in ("forward", "backward")},
@@ -153,8 +179,8 @@ def run_method(method: Method, counts_SLGE: np.ndarray, cluster: Cluster, dims: 
         "replicas_per_plan": replicas / ran if ran else None,
         "moe_seconds": total_s,
         "pairs_per_s": useful / total_s if total_s > 0 else 0.0,
-        "pairs_per_s_without_planning": useful / (total_s - ran * plan_charge / 1e3)
-        if total_s - ran * plan_charge / 1e3 > 0 else 0.0,
+        "pairs_per_s_without_planning": useful / (total_s - ran * host_charge / 1e3)
+        if total_s - ran * host_charge / 1e3 > 0 else 0.0,
     }
 
 

@@ -58,14 +58,17 @@ def test_unpressured_replay_is_the_plans_cost():
             assert pairs == int(c.sum())
 
 
-def test_planning_is_charged_at_its_median_host_time():
+def test_planning_and_layout_are_charged_at_their_median_host_times():
     c = counts(0)
     m = PAPER_METHODS[-1]
     with_p = run_method(m, c, CL, DIMS, HW, math.inf)
     without = run_method(m, c, CL, DIMS, HW, math.inf, include_planning=False)
     charge = with_p["planning_ms_measured"]["median"]
+    layout = with_p["layout_ms_measured"]["median"]
     assert with_p["planning_ms_per_layer"] == charge > 0 and with_p["phases_ms"]["forward"]["plan"] == charge
-    assert with_p["forward_ms_per_layer"] == pytest.approx(without["forward_ms_per_layer"] + charge)
+    assert with_p["layout_ms_per_layer"] == layout > 0 and with_p["phases_ms"]["forward"]["layout"] == layout
+    assert without["phases_ms"]["forward"]["layout"] == 0.0 and without["layout_ms_per_layer"] > 0  # measured, not charged
+    assert with_p["forward_ms_per_layer"] == pytest.approx(without["forward_ms_per_layer"] + charge + layout)
     assert with_p["backward_ms_per_layer"] == without["backward_ms_per_layer"]
     assert with_p["pairs_per_s_without_planning"] == pytest.approx(without["pairs_per_s"])
     assert with_p["pairs_per_s"] < without["pairs_per_s"]
@@ -161,3 +164,29 @@ def test_t4_of_another_model_shows_no_paper_numbers():
     assert t4_rows(result, paper_numbers()) == [["fixed", "1.00", "0.00", "2.00", "3.00", "3.00"]]
     result["scenario"]["model"] = "qwen3-30b-a3b"
     assert t4_rows(result, paper_numbers())[0][-1] == "12.88" and "paper subtotal" in t4_head(result)
+
+
+def test_layout_time_is_the_slowest_ranks_layout_counts(monkeypatch):
+    """host_layout_seconds runs the runtime's layout_counts once per rank, with the runtime's arguments,
+    and keeps the slowest rank's time."""
+    from lrmoe.parallel.layout import Layout
+    from lrmoe.sim import simulate as sim
+
+    plan = plan_layer("lrmoe", counts(2, steps=1, layers=1)[0, 0], CL, DIMS, math.inf, selects=True, drop_ratio=0.2)
+    seen, times = [], iter([0.0, 0.003, 1.0, 1.001, 2.0, 2.007, 3.0, 3.002])
+    real = sim.layout_counts
+
+    def spy(*args):
+        seen.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(sim, "layout_counts", spy)
+    monkeypatch.setattr(sim.time, "perf_counter", lambda: next(times))
+    assert sim.host_layout_seconds(plan, selects=True) == pytest.approx(0.007)
+    assert [a[5] for a in seen] == [0, 1, 2, 3] and all(a[7] for a in seen)  # every rank; compacts at C20
+    monkeypatch.undo()
+    for r, args in enumerate(seen):  # the same counts the runtime's Layout of rank r builds from
+        lay = Layout(plan, r, DIMS.num_experts // CL.num_ranks, True, __import__("torch").device("cpu"))
+        head = real(*args)[0]
+        assert head[:4 * CL.num_ranks].reshape(4, -1).tolist() == [lay.send_splits, lay.kept_send_splits,
+                                                                   lay.recv_splits, lay.kept_recv_splits]
