@@ -10,7 +10,7 @@ from lrmoe.bench import planners
 from lrmoe.bench.cli import TARGETS
 
 ROW_KEYS = {"cell", "model", "ep", "ranks", "budget_gib", "routing", "policy", "pressured", "target_ms", "target_met",
-            "speedup", "same_plans"} | {f"{who}_{k}" for who in ("live", "ref") for k in (
+            "speedup", "same_plans", "layout_median_ms", "host_median_ms", "host_target_met"} | {f"{who}_{k}" for who in ("live", "ref") for k in (
                 "median_ms", "p95_ms", "cost", "peak_gib", "kept", "replicas", "over_budget_steps", "fallback",
                 "samples_ms")}
 
@@ -30,10 +30,13 @@ def test_quick_run_writes_every_policy_with_the_reference(tmp_path, capsys):
         assert r["same_plans"] == 2  # live plans equal the reference (tests/planning/test_reference.py)
         assert r["pressured"] == (r["budget_gib"] == 0.3)
         assert (r["live_fallback"] == "none") == (r["budget_gib"] == 1.0)
-        assert r["target_ms"] == (5.0 if r["pressured"] else 1.0)
+        lrmoe = r["policy"].startswith("lrmoe")
+        assert r["target_ms"] == ((1.0 if lrmoe else 0.5) if r["pressured"] else (0.1 if lrmoe else 0.05))
         assert r["target_met"] == (r["live_median_ms"] <= r["target_ms"])
+        assert r["layout_median_ms"] > 0 and r["host_median_ms"] == r["live_median_ms"] + r["layout_median_ms"]
+        assert r["host_target_met"] == (r["host_median_ms"] <= 0.15)  # EP8 cells
     out = capsys.readouterr().out
-    assert "| model/EP/budget/routing | policy |" in out and "targets met in" in out
+    assert "| model/EP/budget/routing | policy |" in out and "targets met in" in out and "plan + layout" in out
     md = (tmp_path / "bench_planners_cpu.md").read_text()
     exact = [r for r in rows if r["policy"] != "lrmoe_waterfill_tol1e-3"]
     assert f"exact policies: live plans identical to the reference in {2 * len(exact)} of {2 * len(exact)}" in md
@@ -52,7 +55,8 @@ def test_only_selects_cells_and_no_reference_skips_it(tmp_path):
                        "--no-reference", "--out", str(tmp_path)])
     assert [(r["model"], r["ep"], r["routing"], r["policy"]) for r in d["rows"]] == [
         ("glm-4.5-air", "EP64", "hot_rank", "fixed"), ("glm-4.5-air", "EP64", "hot_rank", "symi")]
-    assert all(r["ranks"] == 64 and r["target_ms"] == 10.0 and "ref_median_ms" not in r for r in d["rows"])
+    assert all(r["ranks"] == 64 and r["target_ms"] == 0.05 and r["host_target_met"] is None and "ref_median_ms" not in r
+               for r in d["rows"])
 
 
 def test_drifting_trace_is_seeded_and_keeps_pairs_per_rank():
