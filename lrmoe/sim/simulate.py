@@ -78,6 +78,16 @@ def _summ(values) -> dict:
     return {"median": statistics.median(v), "max": max(v), "mean": statistics.fmean(v)}
 
 
+def compacted_token_bytes(plan, dims: ModelDims) -> np.ndarray:
+    """[G] bytes of the token buffers compaction sizes: the backward execution buffers of the kept
+    received rows and the backward all-to-all buffers of the kept sent rows (send + receive, ``2 H b``
+    per row, as the memory model's dispatch term counts them). The paper's T4 may count only these
+    (its fixed-ownership subtotal matches the full model at balanced routing; docs/simulator.md)."""
+    mem = plan.memory
+    kept_sent_G = plan.backward_quota_GN.sum(1).astype(np.int64)
+    return mem.backward_G + 2 * dims.hidden * dims.dtype_bytes * kept_sent_G
+
+
 def host_layout_seconds(plan, *, selects: bool, compact: bool = True) -> float:
     """Host seconds of the slowest rank's layout of ``plan`` (:func:`lrmoe.planning.layout.layout_counts`
     with the runtime's arguments, each rank timed in turn): what the runtime's ``Layout`` computes on
@@ -104,7 +114,7 @@ def run_method(method: Method, counts_SLGE: np.ndarray, cluster: Cluster, dims: 
     kw = dict(options=method.options, selects=method.selects, drop_ratio=method.drop_ratio, quota=method.quota,
               quota_options=method.quota_options)
     fallbacks: Counter = Counter()
-    mem = {k: [] for k in ("base", "replicas", "tokens", "subtotal")}
+    mem = {k: [] for k in ("base", "replicas", "tokens", "subtotal", "tokens_compacted", "subtotal_compacted")}
     fwd, bwd, plan_ms, layout_ms = [], [], [], []
     phases = {("forward", p): [] for p in FORWARD} | {("backward", p): [] for p in BACKWARD}
     useful = routed = dropped = kept = replicas = 0
@@ -138,6 +148,12 @@ def run_method(method: Method, counts_SLGE: np.ndarray, cluster: Cluster, dims: 
             mem["replicas"].append(max(m["replicas"] for m in summaries) / GIB)
             mem["tokens"].append(max(m["tokens"] for m in summaries) / GIB)
             mem["subtotal"].append(max(m["total"] for m in summaries) / GIB)
+            # the other reading of T4's token buffers: only those compaction sizes (the backward's
+            # execution buffers and its all-to-all of kept rows), per rank, worst rank
+            compacted = [compacted_token_bytes(p, dims) for p in pieces]
+            mem["tokens_compacted"].append(max(int(c.max(initial=0)) for c in compacted) / GIB)
+            mem["subtotal_compacted"].append(max(int((p.memory.base_G + p.memory.replicas_G + c).max(initial=0))
+                                                 for p, c in zip(pieces, compacted)) / GIB)
             fwd.append(sum(c["forward_s"] for c in costs) * 1e3)
             bwd.append(sum(c["backward_s"] for c in costs) * 1e3)
             for (part, p), v in phases.items():

@@ -101,7 +101,9 @@ def test_scenario_result_has_the_promised_keys(tmp_path):
     assert r["trace"]["tokens_per_rank"] == 32768  # the trace was scaled to the paper's tokens per rank
     assert set(r["methods"]) == {"fixed", "symi", "ultraep", "lrmoe"}
     for m in r["methods"].values():
-        assert set(m["memory_gib"]) == {"base", "replicas", "tokens", "subtotal"}
+        assert set(m["memory_gib"]) == {"base", "replicas", "tokens", "subtotal", "tokens_compacted",
+                                        "subtotal_compacted"}
+        assert m["memory_gib"]["subtotal_compacted"] <= m["memory_gib"]["subtotal"]
         assert {"forward_ms_per_layer", "backward_ms_per_layer", "planning_ms_per_layer", "fallbacks"} <= m.keys()
         assert set(m["throughput"]) == {"1", "4"}
         assert {"pairs_per_s", "relative"} <= m["throughput"]["4"].keys()
@@ -190,3 +192,16 @@ def test_layout_time_is_the_slowest_ranks_layout_counts(monkeypatch):
         head = real(*args)[0]
         assert head[:4 * CL.num_ranks].reshape(4, -1).tolist() == [lay.send_splits, lay.kept_send_splits,
                                                                    lay.recv_splits, lay.kept_recv_splits]
+
+
+def test_compacted_token_buffers_by_hand():
+    """The compaction-sized reading of T4's token buffers: per rank, (3H + 6I) b per kept received
+    row (backward execution) plus 2 H b per kept sent row (the backward all-to-all's send and receive)."""
+    from lrmoe.sim.simulate import compacted_token_bytes
+
+    plan = plan_layer("lrmoe", counts(4, steps=1, layers=1)[0, 0], CL, DIMS, math.inf, selects=True, drop_ratio=0.3)
+    H, I, b = DIMS.hidden, DIMS.intermediate, DIMS.dtype_bytes
+    q = plan.backward_quota_GN
+    kept_recv = np.array([q[:, plan.rank_N == r].sum() for r in range(CL.num_ranks)])
+    want = (3 * H + 6 * I) * b * kept_recv + 2 * H * b * q.sum(1)
+    assert np.array_equal(compacted_token_bytes(plan, DIMS), want) and q.sum() < plan.send_GN.sum()
