@@ -34,7 +34,7 @@ def test_verdict_rows_follow_the_files(tmp_path):
 
     for rel in ("results/sim/paper-qwen3/simulation.json", "results/sim/pressure-qwen3/simulation.json",
                 "results/ablations/heldout/ablation.json", "results/ablations/drop_ratio/ablation.json",
-                "results/cpu/tables/T3_time_to_target.json"):
+                "results/cpu/tables/T3_time_to_target.json", "results/sim/conditions/conditions.json"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / rel, tmp_path / rel)
     before = verdict.markdown(tmp_path)
@@ -43,7 +43,7 @@ def test_verdict_rows_follow_the_files(tmp_path):
     r["methods"]["lrmoe"]["memory_gib"]["subtotal"] = 5.44 / 12.88 * r["methods"]["fixed"]["memory_gib"]["subtotal"]
     f.write_text(json.dumps(r))
     after = verdict.markdown(tmp_path)
-    assert after != before and "(-57.8 %) | simulated" in after
+    assert after != before and "(-57.8 %); across" in after
     row = next(x for x in verdict.rows(tmp_path) if x["claim"].startswith("LRMoE needs"))
     assert row["verdict"] == "reproduced"
 
