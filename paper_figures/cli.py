@@ -39,6 +39,11 @@ def _cli(args) -> int:
         return 2
     try:
         res = Results.load(args.results)
+        if not res.runs and not res.damaged and not any((Path(args.results) / d).is_dir() for d in ("sim", "probe")):
+            print(f"lrmoe figures: no run folders in {args.results!r} (a run folder holds a summary.json; nor sim/ or "
+                  f"probe/ results); nothing to tabulate. Give --results the folder `lrmoe reproduce` wrote, e.g. "
+                  f"results/cpu (the reference) or results/cpu-local (your rerun)", file=sys.stderr)
+            return 2
         files = make_all(res, args.out, only, warn=lambda msg: print(f"lrmoe figures: {msg}", file=sys.stderr))
     except (CorruptFileError, AmbiguousRuns) as e:  # a manifest that cannot be read; two runs of one cell
         print(f"lrmoe figures: {e}", file=sys.stderr)

@@ -345,6 +345,7 @@ class Trainer:
             del ck
             if self.main:
                 self.metrics.resume_at(self.step_done)
+                self.say(f"{self.out.name}: resuming from step {self.step_done} of {cfg.steps} ({self.ckpt_path.name})")
         else:
             torch.manual_seed(cfg.seed)
             random.seed(cfg.seed)

@@ -234,6 +234,10 @@ def test_figures_cli_rejects_an_unknown_key_and_a_missing_folder(fake, tmp_path,
     assert "unknown key(s) T9" in capsys.readouterr().err and not (fake / "report.md").exists()
     assert main(["figures", "--results", str(tmp_path / "nowhere")]) == 2
     assert "no results folder" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["figures", "--results", str(empty)]) == 2  # nothing to tabulate: no empty tables written
+    assert "no run folders in" in capsys.readouterr().err and list(empty.iterdir()) == []
 
 
 def test_figures_cli_names_a_file_it_cannot_read(fake, capsys):

@@ -13,7 +13,7 @@ from .helpers import cfg
 
 
 @pytest.mark.parametrize("scorer", ["random", "lrm"])
-def test_exact_resume(data_path, tmp_path, scorer):
+def test_exact_resume(data_path, tmp_path, scorer, capsys):
     c = cfg(data_path, steps=8, drop_ratio=0.3, scorer=scorer, eval_interval=4, checkpoint_interval=2)
     full, part = tmp_path / "full", tmp_path / "part"
     train(c, full, progress=False)
@@ -25,8 +25,10 @@ def test_exact_resume(data_path, tmp_path, scorer):
     train(c, part, progress=False, stop_after=6)
     assert len(read_metrics(part / "metrics.jsonl")) == 6
     shutil.copy(tmp_path / "ck4.pt", part / "checkpoint.pt")
+    capsys.readouterr()
     s = train(c, part, progress=False)
     assert s["status"] == "done" and s["resumed_from"] == [4]  # lineage of the checkpoint it resumed
+    assert "part: resuming from step 4 of 8 (checkpoint.pt)" in capsys.readouterr().err  # said, not silent
     a, b = read_metrics(full / "metrics.jsonl"), read_metrics(part / "metrics.jsonl")
     assert [r["step"] for r in b] == list(range(1, 9))
     for key in ("loss", "grad_norm", "lr", "epoch", "kept_fraction", "layers", "eval_loss"):
