@@ -120,6 +120,11 @@ def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_r
         print(f"{p.prog}: {p.kind} {p.name!r} needs {p.hardware}, but {missing}, so nothing was run; run it on "
               f"such a machine, or {p.elsewhere}", file=sys.stderr)
         return 2
+    if pending and not under_torchrun and any(r.config.get("device") == "cuda" for r in pending):
+        refusal = _preflight(p, out, pending)  # a local GPU preset (gpu1): the same checks as torchrun's
+        if refusal:
+            print(refusal, file=sys.stderr)
+            return 2
     t0, at_start = time.perf_counter(), machine()
     if pending and not under_torchrun:  # tokenise and pack once; bad data is said before anything is written
         try:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..train.cli import add_config_arguments
 from ..train.config import TrainConfig
+from ..train.estimate import run_vocab
 
 
 def register_cli(sub) -> None:
@@ -63,6 +64,7 @@ def config_of(args) -> tuple[TrainConfig, int]:
     if "model_overrides" in given:
         given["model_overrides"] = dict(given["model_overrides"])
     cfg = dict(base, **given)
+    args.model_vocab = run_vocab(cfg)  # (read before the tokenizer is dropped below)
     for k in ("init_from", "tokenizer", "data"):  # the model preset's dimensions; no data is read
         cfg.pop(k, None)
     cfg = TrainConfig.from_dict(cfg)
@@ -79,6 +81,7 @@ def _cli(args) -> int:
     try:
         cfg, world = config_of(args)
         res = estimate_memory(cfg, world, gpu_gib=args.gpu_gib, overhead_gib=args.overhead_gib, steps=args.trace_steps,
+                              model_vocab=getattr(args, "model_vocab", None),
                               doc_len=args.doc_len, progress=lambda line: print(line, file=sys.stderr, flush=True))
     except ValueError as e:
         print(f"lrmoe estimate-memory: {e}", file=sys.stderr)

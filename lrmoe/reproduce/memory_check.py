@@ -112,10 +112,11 @@ def check(pending: list, world: int, out: Path, gpu_bytes: int, host_bytes: int,
 
 def _estimate(config: dict, world: int) -> dict:
     from ..train.config import TrainConfig
-    from ..train.estimate import estimate_memory
+    from ..train.estimate import estimate_memory, run_vocab
 
     cfg = {k: v for k, v in config.items() if k not in ("init_from", "tokenizer", "data")}
-    return estimate_memory(TrainConfig.from_dict(cfg), world, progress=lambda line: print(f"    {line}", flush=True))
+    return estimate_memory(TrainConfig.from_dict(cfg), world, model_vocab=run_vocab(config),
+                           progress=lambda line: print(f"    {line}", flush=True))
 
 
 def machine_memory() -> tuple[int, int] | None:

@@ -118,7 +118,8 @@ PRESETS: dict[str, Preset] = {
                 "with fewer layers, bf16 autocast, full Alpaca, seq 8192",
         {"qwen3": "qwen3-30b-a3b", "glm4": "glm-4.5-air"}, _GPU_BASE, None,
         model_overrides={"qwen3": {"num_hidden_layers": 4}, "glm4": {"num_hidden_layers": 3}},
-        e2_seeds=(0, 1, 2), jobs=1, hardware="1x NVIDIA H100/H200 (80+ GiB)",
+        e2_seeds=(0, 1, 2), jobs=1, hardware="1x NVIDIA Hopper GPU: Qwen3 runs estimated 55-56 GiB (an 80 GiB H100 fits), GLM runs 105 GiB "
+                 "(an H200, 141 GB; the pre-launch check refuses them on 80 GiB)",
         cost="estimated (not measured): ~1-2 s per step, 34 runs x 1,000 steps = 10-20 GPU-hours"),
     "paper": Preset(
         "paper", "the paper's setting: Qwen3-30B-A3B and GLM-4.5-Air (full depth), EP8 on 8 Hopper GPUs "

@@ -96,20 +96,32 @@ def _moved_to_host(model, opt, offload: str) -> int:
     return n
 
 
+def run_vocab(config: dict) -> int | None:
+    """The embedding rows of a run's model when they are not the preset's: a run trained from scratch
+    (no ``init_from``) with a ``bpe:N`` tokenizer has N (``lrmoe.train.loop``), unless its
+    ``model_overrides`` set ``vocab_size``; None otherwise (the preset's or the checkpoint's)."""
+    tok = str(config.get("tokenizer") or "")
+    if config.get("init_from") or not tok.startswith("bpe:") or "vocab_size" in (config.get("model_overrides") or {}):
+        return None
+    return int(tok.split(":", 1)[1])
+
+
 def estimate_memory(cfg, world: int, *, gpu_gib: float = 80.0, overhead_gib: float = 3.0, steps: int = 2,
                     doc_len: int | None = None, vocab: int | None = None, demand: str = "balanced",
-                    progress=None) -> dict:
+                    model_vocab: int | None = None, progress=None) -> dict:
     """Peak memory per GPU of rank 0 of run ``cfg`` on ``world`` ranks (see the module docstring).
 
     ``doc_len``: tokens per packed document (default: 512, Alpaca's records are 100-700 tokens);
     ``vocab``: the tokenizer's size (default: the model's vocabulary); ``progress``: a callable
-    taking a line. Returns a dict: the categories (GiB) at the peak, the peak, the verdict and the
+    taking a line; ``model_vocab``: the model's embedding rows when the run's tokenizer sets them
+    (:func:`run_vocab`; default: the preset's). Returns a dict: the categories (GiB) at the peak, the peak, the verdict and the
     assumptions. Runs in this process and leaves no process group behind."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .. import hf
     from ..hf.attention import SDPA
+    from ..kernels.host import emulate_accelerator
     from ..parallel.launch import init_distributed, shutdown
     from .loss import causal_lm_loss
     from .parallelize import apply_scale, compute_bf16, shard_experts
@@ -119,10 +131,6 @@ def estimate_memory(cfg, world: int, *, gpu_gib: float = 80.0, overhead_gib: flo
     if world < 1 or world % cfg.ep or cfg.micro_batch % world:
         raise ValueError(f"world {world} must be a multiple of ep ({cfg.ep}) that divides micro_batch "
                          f"({cfg.micro_batch})")
-    if cfg.ep < 2:
-        raise ValueError(f"estimate-memory covers expert-parallel runs (ep >= 2) for now, got ep {cfg.ep}: the "
-                         f"single-process MoE layer reads its routing on the host (its quotas and kept pairs), which "
-                         f"fake tensors cannot give (issue 29 removes those reads)")
     if cfg.virtual_ep > 1:
         raise ValueError("virtual_ep runs on the CPU in one process; estimate-memory is for GPU runs")
     say = progress or (lambda line: None)
@@ -134,10 +142,13 @@ def estimate_memory(cfg, world: int, *, gpu_gib: float = 80.0, overhead_gib: flo
     _fake_group(world)
     try:
         env = init_distributed(ep=cfg.ep if world > 1 else None)
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        # emulate_accelerator: the CUDA rank's code paths (no CPU-only reads of routing values, which
+        # fake tensors do not have; the single-process layer makes none on an accelerator)
+        with FakeTensorMode(allow_non_fake_inputs=True), emulate_accelerator():
             say(f"building {cfg.model} ({cfg.model_overrides or 'preset dimensions'}) under fake tensors ...")
             policy = cfg.policy()
-            model = hf.build_model(cfg.model, policy=policy, seed=cfg.seed, **dict(cfg.model_overrides))
+            overrides = dict(cfg.model_overrides) | ({"vocab_size": int(model_vocab)} if model_vocab else {})
+            model = hf.build_model(cfg.model, policy=policy, seed=cfg.seed, **overrides)
             model.set_attn_implementation(SDPA)  # (a CUDA run's flex attention: see the module docstring)
             vocab = vocab or model.config.vocab_size
             n_params = sum(p.numel() for p in model.parameters())
@@ -174,7 +185,8 @@ def estimate_memory(cfg, world: int, *, gpu_gib: float = 80.0, overhead_gib: flo
     counted = next(v for k, v in dev_stats.items() if _name(k) == "Total") / GIB
     on_gpu = counted - host / GIB
     total = on_gpu + overhead_gib
-    return {"model": cfg.model, "model_overrides": dict(cfg.model_overrides), "parameters": n_params,
+    return {"model": cfg.model, "model_overrides": dict(cfg.model_overrides), "model_vocab": model_vocab,
+            "parameters": n_params,
             "world": world, "ep": cfg.ep, "fsdp": cfg.fsdp, "offload": cfg.offload,
             "activation_checkpointing": cfg.activation_checkpointing, "bf16": bf16,
             "tokens_per_rank": rows * cfg.seq_len, "grad_accum": cfg.grad_accum or 1, "placement": cfg.placement,

@@ -82,6 +82,36 @@ def test_estimate_matches_the_real_step_on_cpu(tmp_path):
     assert est["fits"] and est["peak_gib"] == pytest.approx(est["counted_peak_gib"] + est["overhead_gib"])
 
 
+def test_single_process_estimate_matches_the_real_step():
+    """ep 1 (the gpu1 preset's runs): the single-process layer makes no host read of routing values on
+    an accelerator, so its step runs under fake tensors too; its peak is the real step's within 10 %."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from lrmoe.train.estimate import _batch
+
+    cfg = TrainConfig(**TINY)
+    torch.manual_seed(0)
+    model = hf.build_model(cfg.model, policy=cfg.policy(), seed=cfg.seed, **dict(cfg.model_overrides))
+    opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, foreach=False)
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            for _ in range(cfg.grad_accum):
+                tracker.reset_mod_stats()
+                ids, pos, labels = _batch(cfg, cfg.micro_batch, 64, model.config.vocab_size)
+                loss, n = causal_lm_loss(model, ids, pos, labels)
+                (loss / max(1, n)).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+            opt.step()
+    real = max(sum(v for k, v in d.items() if str(getattr(k, "value", k)) == "Total")
+               for d in tracker.get_tracker_snapshot("peak").values()) / GIB
+    est = estimate_memory(cfg, 1, doc_len=64)
+    assert est["ep"] == 1 and est["world"] == 1 and est["moe_layers"] == 2
+    assert est["counted_peak_gib"] == pytest.approx(real, rel=0.10), (est["counted_peak_gib"], real)
+
+
 def test_sharded_state_is_the_tensors_bytes_and_offload_moves_the_experts():
     """FSDP over 2 fake ranks with ep 2: this rank holds half the dense parameters and its 4 of 8 experts in
     fp32 (AdamW: two moments each); with offload=experts the experts' parameters, gradients and state
@@ -107,7 +137,6 @@ def test_sharded_state_is_the_tensors_bytes_and_offload_moves_the_experts():
     (["--preset", "paper", "--run", "x"], "preset 'paper' has no run 'x'; accepted: glm4-C00-s0"),
     (["--model", "qwen3-moe-tiny", "--ep", "2", "--world", "3"], "world 3 must be a multiple of ep (2)"),
     (["--model", "qwen3-moe-tiny", "--trace-steps", "0"], "--trace-steps must be >= 1"),
-    (["--model", "qwen3-moe-tiny"], "covers expert-parallel runs (ep >= 2) for now"),
 ])
 def test_cli_errors_before_any_work(argv, msg, capsys):
     assert main(["estimate-memory", *argv]) == 2
@@ -123,3 +152,17 @@ def test_cli_writes_the_table_and_json(tmp_path, capsys):
     assert "estimated peak per GPU" in text and "DOES NOT FIT" in text
     d = json.loads(out.read_text())
     assert d["world"] == 2 and d["fits"] is False and d["counted_peak_gib"] > 0.001
+
+
+def test_a_run_from_scratch_has_its_tokenizers_embeddings():
+    """A from-scratch run's model has the tokenizer's rows (lrmoe.train.loop), a fine-tune keeps the
+    checkpoint's, an explicit vocab_size override wins; the gpu1 preset's runs get 32,768 rows."""
+    from lrmoe.reproduce.presets import PRESETS
+    from lrmoe.train.estimate import run_vocab
+
+    assert run_vocab({"tokenizer": "bpe:32768"}) == 32768
+    assert run_vocab({"tokenizer": "bpe:32768", "init_from": "Qwen/Qwen3-30B-A3B"}) is None
+    assert run_vocab({"tokenizer": "bpe:32768", "model_overrides": {"vocab_size": 512}}) is None
+    assert run_vocab({"tokenizer": "my_vocab.json,my_merges.txt"}) is None
+    run = next(r for r in PRESETS["gpu1"].runs() if r.name == "qwen3-C20-lrm-s0")
+    assert run_vocab(dict(run.config)) == 32768
