@@ -14,7 +14,10 @@ real trainer (:class:`lrmoe.train.loop.Trainer`) and stepped:
    the backward are re-raised by autograd at ``loss.backward()``, so they are counted but not placed),
    and divided by the MoE layer calls of the step.
 
-No memory estimator exists on main yet (issue 28), so no estimate is printed beside the peak.
+4. the MoE layer alone under ``set_sync_debug_mode("error")`` (:func:`layer_sync_check`).
+
+The JSON names the ``lrmoe estimate-memory`` command that estimates this very step (its vocabulary
+included); run it on any CPU and compare its counted peak with ``peak_allocated_gib``.
 
     python scripts/gpu_train_step.py --data records.json --out DIR [--preset gpu1] [--run qwen3-C20-lrm-s0]
 
@@ -95,6 +98,57 @@ def count_syncs(fn) -> Counter:
     return where
 
 
+def layer_sync_check(dev) -> dict:
+    """One forward + backward of the MoE layer under ``torch.cuda.set_sync_debug_mode("error")``, after
+    a warm-up call: the single-process layer at C20 (compact top-quota, sampled selection, mask) must
+    make no host synchronisation, and the expert-parallel layer (a one-rank NCCL group, LRMoE placement
+    at C20) only its one read of the demand, which the runtime marks as intended
+    (``lrmoe.kernels.host.intended_sync``). Each case: "ok" or where the first other sync happened.
+    On the CPU, tests/parallel/test_syncs.py counts the same with a dispatch mode."""
+    import torch.distributed as dist
+
+    from lrmoe import BackwardPolicy, LRMoELayer
+    from lrmoe.parallel.runtime import ExpertParallel, ExpertParallelExperts
+
+    H, I, E, K, T = 512, 256, 16, 4, 1024
+    out: dict = {}
+
+    def checked(name, run):
+        run()  # warm-up: Triton compiles and autotunes, caches fill
+        torch.cuda.synchronize(dev)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            run()
+            out[name] = "ok"
+        except RuntimeError as e:
+            out[name] = f"sync at {innermost(traceback.extract_tb(e.__traceback__))}: {str(e)[:160]}"
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.synchronize(dev)
+
+    for name, pol in (("single c20 compact", BackwardPolicy(drop_ratio=0.2)),
+                      ("single c20 sample", BackwardPolicy(drop_ratio=0.2, selection="sample", seed=0)),
+                      ("single c20 mask", BackwardPolicy(drop_ratio=0.2, mode="mask"))):
+        layer = LRMoELayer(H, I, E, K, policy=pol).to(dev, torch.bfloat16)
+        x = torch.randn(4, T // 4, H, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        checked(name, lambda: layer(x).float().pow(2).mean().backward())
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=dev)
+    try:
+        gu = torch.randn(E, 2 * I, H, device=dev) / H ** 0.5
+        dn = torch.randn(E, H, I, device=dev) / I ** 0.5
+        m = ExpertParallelExperts.from_full(gu, dn, ExpertParallel(E, None, "lrmoe"), BackwardPolicy(drop_ratio=0.2))
+        x = torch.randn(T, H, device=dev, requires_grad=True)
+        idx = torch.stack([torch.randperm(E, device=dev)[:K] for _ in range(T)])
+        w = torch.rand(T, K, device=dev)
+        checked("expert-parallel lrmoe c20 (1 rank)", lambda: m(x, idx, w).pow(2).mean().backward())
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", required=True, help="Alpaca-style JSON records")
@@ -129,8 +183,7 @@ def main(argv=None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     cfg = run_config(a.preset, a.run, a.data, overrides)
     cfg.validate()
-    res = {"preset": a.preset, "run": a.run, "config": cfg.to_dict(), "device": None, "complete": False,
-           "estimate": "none: no memory estimator on main (issue 28)"}
+    res = {"preset": a.preset, "run": a.run, "config": cfg.to_dict(), "device": None, "complete": False}
     path = a.out / "gpu_train_step.json"
 
     def save():
@@ -138,6 +191,13 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     trainer = Trainer(cfg, a.out / "run", make_runner(cfg), progress=False)
+    # the estimate of this very step (its tokenizer's vocabulary), computed offline on any CPU: the
+    # estimator runs a fake-tensor step of the full model, too long for this step's time limit
+    flags = [f"--model-override {k}={v}" for k, v in {**cfg.model_overrides, "vocab_size": trainer.vocab}.items()]
+    flags += ["--fsdp"] * bool(cfg.fsdp) + ["--activation-checkpointing"] * bool(cfg.activation_checkpointing)
+    res["estimate"] = {"command": f"lrmoe estimate-memory --preset {a.preset} --run {a.run} {' '.join(flags)}",
+                       "vocab_size": trainer.vocab, "compare": "counted_peak_gib against peak_allocated_gib "
+                                                               "(docs/memory.md)"}
     dev = trainer.device
     res.update(device=torch.cuda.get_device_name(dev) if cuda else "cpu", build_s=time.perf_counter() - t0,
                moe_layers=trainer.n_moe, parameters=trainer.base["model"]["parameters"])
@@ -179,6 +239,12 @@ def main(argv=None) -> int:
               f"{layer_calls} calls)")
         for place, n in where.most_common(12):
             print(f"  {n:5d}  {place}")
+        save()
+        try:
+            res["sync_error_mode"] = layer_sync_check(dev)
+        except Exception as e:  # noqa: BLE001 - reported, the step's other results stand
+            res["sync_error_mode"] = {"error": f"{type(e).__name__}: {e}"[:400]}
+        print(f"MoE layer under set_sync_debug_mode('error'): {res['sync_error_mode']}")
     timer.remove()
     res["complete"] = True
     save()
