@@ -16,6 +16,7 @@ thread, stack frame and register spills (from the ``ptxas -v`` log of the compil
 
     python scripts/check_triton_compile.py                 # sm_90, every config, JSON to results/bench/
     python scripts/check_triton_compile.py --quick --arch 90 100
+    python scripts/check_triton_compile.py --quick --dtype bf16 --jobs 2   # the test's check (23 s on 2 cores)
 Exit status 1 when a kernel fails to compile or no config of a specialisation fits.
 """
 from __future__ import annotations
@@ -115,6 +116,30 @@ def workloads(dtypes: list[str]):
             yield label, tf32, "op accumulate/strided/int64 offs/out_index", op_workload(dt)
 
 
+_JOBS: list = []  # (launch, config, arch) to compile; read by the forked workers
+
+
+def _compile_job(j: int):
+    launch, cfg, arch = _JOBS[j]
+    return aot.compile_launch(launch, cfg, arch)
+
+
+def compile_all(jobs: list, processes: int) -> list:
+    """``aot.compile_launch`` of every (launch, config, arch), in order; in ``processes`` forked
+    workers when more than one (the recorded launches are inherited, not pickled; each worker has its
+    own Triton state, so the ptxas-log switch of one compile never meets another's)."""
+    if processes <= 1 or len(jobs) <= 1:
+        return [aot.compile_launch(*job) for job in jobs]
+    import multiprocessing
+
+    _JOBS[:] = jobs
+    try:
+        with multiprocessing.get_context("fork").Pool(processes) as pool:
+            return pool.map(_compile_job, range(len(jobs)), chunksize=1)
+    finally:
+        _JOBS.clear()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, nargs="+", default=[90], help="compute capabilities (90 = Hopper)")
@@ -129,7 +154,11 @@ def main(argv=None) -> int:
     ap.add_argument("--reuse-cache", action="store_true",
                     help="use Triton's usual kernel cache (default: a fresh one, so that every kernel is compiled)")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads for the (tiny) captured layer runs")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="compile in this many processes (forked after the launches are recorded; default 1)")
     a = ap.parse_args(argv)
+    if a.jobs < 1:
+        ap.error(f"--jobs must be >= 1, got {a.jobs}")
 
     torch.set_num_threads(a.threads)
     specs = []  # (dtype label, source, launch)
@@ -144,6 +173,7 @@ def main(argv=None) -> int:
 
     rows, failed, binder_checks = [], [], []
     first_shape = f"layer {next(iter(SHAPES))} "  # --quick: every config only for this size's TMA launches
+    plan = []  # (arch, label, source, launch, configs) per distinct specialisation
     for arch in a.arch:
         seen = set()
         todo = []
@@ -153,10 +183,15 @@ def main(argv=None) -> int:
                 seen.add(key)
                 todo.append((label, source, launch))
         print(f"sm_{arch}: {len(specs)} launches recorded, {len(todo)} distinct specialisations", flush=True)
-        for i, (label, source, launch) in enumerate(todo, 1):
+        for label, source, launch in todo:
             cfgs = aot.configs(launch.kernel)
             if a.quick and not (label == "bf16" and source.startswith(first_shape) and source.endswith("tma=True")):
                 cfgs = cfgs[-1:]  # the last config of each list: the smallest output tile
+            plan.append((arch, label, source, launch, cfgs))
+    compiled = compile_all([(launch, cfg, arch) for arch, _, _, launch, cfgs in plan for cfg in cfgs], a.jobs)
+    done = 0
+    for i, (arch, label, source, launch, cfgs) in enumerate(plan, 1):
+        if True:
             if a.check_binder:  # the compile check must bind as JITFunction.run does
                 for cfg in cfgs:
                     diff = aot.binder_mismatches(launch, cfg, arch)
@@ -164,7 +199,8 @@ def main(argv=None) -> int:
                     if diff:
                         failed.append(f"sm_{arch} {label} {source} {launch.kernel} {aot.config_name(cfg)}: binding "
                                       f"differs from JITFunction.run: {'; '.join(diff)[:1500]}")
-            results = [aot.compile_launch(launch, cfg, arch) for cfg in cfgs]
+            results = compiled[done:done + len(cfgs)]
+            done += len(cfgs)
             for res in results:
                 rows.append({"arch": arch, "dtype": label, "source": source, **res.__dict__})
                 if res.error:
@@ -173,7 +209,7 @@ def main(argv=None) -> int:
                 failed.append(f"sm_{arch} {label} {source} {launch.kernel}: no config fits in shared memory "
                               f"({[r.shared for r in results]})")
             status = "ok" if all(r.error is None for r in results) else "FAILED"
-            print(f"  [{i}/{len(todo)}] {launch.kernel} {label} {source}: {len(results)} config(s) {status} "
+            print(f"  [{i}/{len(plan)}] sm_{arch} {launch.kernel} {label} {source}: {len(results)} config(s) {status} "
                   f"({sum(r.seconds for r in results):.1f} s)", flush=True)
 
     shown = [{"arch": f"sm_{r['arch']}", "kernel": r["kernel"].strip("_").replace("_kernel", ""),
