@@ -58,7 +58,7 @@ import numpy as np
 
 from . import lrmoe_jit as K
 from .memory import MemoryBreakdown, instance_bytes, token_row_bytes, total_memory_floor
-from .plan import Cluster, Instance, ModelDims, Plan, domain_receivers, owned_layout, owner_instances, resolve_budget
+from .plan import Cluster, Instances, ModelDims, Plan, domain_receivers, owned_layout, resolve_budget
 from .quota import (check_drop_ratio, check_min_keep, compute_quota, get_quota_policy, keep_fraction,
                     proportional_quota, quota_for, retained_total, waterfill_quota)
 
@@ -122,11 +122,6 @@ def _layout(cluster: Cluster, dims: ModelDims, replica_slots: int) -> tuple:
     owner_E = np.arange(dims.num_experts, dtype=np.int64) // epr
     return free_G, owner_E  # shared by the calls: never written
 
-
-@functools.lru_cache(maxsize=1 << 16)
-def _replica(expert: int, rank: int, slot: int) -> Instance:
-    """A replica instance (frozen, so shared: building one costs more than finding it)."""
-    return Instance(expert, rank, slot, True)
 
 
 def _builtin_quota(policy: str, options: dict):
@@ -241,13 +236,13 @@ class _Result:
         code, dropped = K.check_plan(self.d_GE, self.expert_N, self.rank_N, self.slot_N, is_rep, self.send, self.quota)
         if code:
             raise ValueError(f"plan lrmoe: {_CHECK_ERRORS[code]}")
-        instances = owner_instances(cluster, dims, "lrmoe")
-        instances += map(_replica, self.expert_N[E:].tolist(), self.rank_N[E:].tolist(), self.slot_N[E:].tolist())
+        # the arrays as they are (owners first, then replicas): no Python object per instance
+        instances = Instances(self.expert_N, self.rank_N, self.slot_N, is_rep)
         n_keep = int(self.q_E.sum())
         info = {**info, "threshold_cost": self.threshold_cost, "threshold": self.tau, "quota_E": self.q_E,
                 "n_keep": n_keep, "backward_weight": backward_weight,
                 "drop_ratio_effective": 1.0 - n_keep / max(int(self.d_GE.sum()), 1)}
-        return Plan("lrmoe", self.d_GE, tuple(instances), self.send, self.quota, dropped, MemoryBreakdown(*self.memory),
+        return Plan("lrmoe", self.d_GE, instances, self.send, self.quota, dropped, MemoryBreakdown(*self.memory),
                     budget, over_budget=self.peak > budget, info=info)
 
 

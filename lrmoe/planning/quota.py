@@ -27,6 +27,8 @@ from ..registry import Registry
 
 
 def check_drop_ratio(drop_ratio: float) -> float:
+    if type(drop_ratio) is float and 0.0 <= drop_ratio < 1.0:  # the common case, without the ABC checks
+        return drop_ratio
     if isinstance(drop_ratio, bool) or not isinstance(drop_ratio, numbers.Real) or not (0.0 <= drop_ratio < 1.0):
         raise ValueError(f"drop_ratio must be a number in [0, 1), got {drop_ratio!r}")
     return float(drop_ratio)
