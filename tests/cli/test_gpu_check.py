@@ -44,6 +44,10 @@ def test_dry_run_brings_back_every_step(tmp_path):
                                              "train_step_fsdp", "compile_cuda", "pytest_cuda", "bench_gemm_scaling"]
     assert "train_step rc=0" in steps[0] and "bench_grouped_gemm rc=0" in steps[1]
     assert all("skipped: " in s for s in steps if s.split()[0] not in ("bench_grouped_gemm", "train_step"))
+    # the grouped-GEMM bench ran end to end at its --smoke shapes (scripts/bench_grouped_gemm.py; its own
+    # helpers are tested in tests/kernels/test_triton_grouped_gemm.py)
+    bench = json.loads((tmp_path / "res" / "run" / "bench_grouped_gemm_cpu.json").read_text())
+    assert bench["complete"] and {r["pass_"] for r in bench["passes"]} == {"fwd", "dgrad", "wgrad"}
     res = json.loads((tmp_path / "res" / "run" / "train_step" / "gpu_train_step.json").read_text())
     assert res["complete"] and len(res["steps"]) == 2 and all(s["loss"] > 0 for s in res["steps"])
     summary = (out / "summary.txt").read_text()

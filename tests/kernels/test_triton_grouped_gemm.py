@@ -653,10 +653,10 @@ def test_layer_triton_matches_loop(mode, rho, rng_seed):
         torch.testing.assert_close(u, v, rtol=1e-4, atol=1e-5)
 
 
-def test_bench_script_smoke(tmp_path):
-    """scripts/bench_grouped_gemm.py runs end to end at its tiny --smoke shapes and writes JSON."""
+def test_bench_script_helpers():
+    """scripts/bench_grouped_gemm.py's routing sizes (its run end to end at the --smoke shapes, JSON
+    included, is checked by the GPU check's dry run: tests/cli/test_gpu_check.py)."""
     import importlib.util
-    import json
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[2] / "scripts" / "bench_grouped_gemm.py"
@@ -665,9 +665,6 @@ def test_bench_script_smoke(tmp_path):
     spec.loader.exec_module(bench)
     sizes = bench.zipf_sizes(1000, 16)
     assert int(sizes.sum()) == 1000 and 3.9 <= float(sizes.max()) / (1000 / 16) <= 4.1
-    bench.main(["--smoke", "--sections", "gemm", "--out", str(tmp_path)])
-    data = json.loads(next(tmp_path.glob("bench_grouped_gemm_*.json")).read_text())
-    assert data["complete"] and {r["pass_"] for r in data["passes"]} == {"fwd", "dgrad", "wgrad"}
 
 
 def _skewed_offsets(M, G):
