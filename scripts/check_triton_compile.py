@@ -191,26 +191,25 @@ def main(argv=None) -> int:
     compiled = compile_all([(launch, cfg, arch) for arch, _, _, launch, cfgs in plan for cfg in cfgs], a.jobs)
     done = 0
     for i, (arch, label, source, launch, cfgs) in enumerate(plan, 1):
-        if True:
-            if a.check_binder:  # the compile check must bind as JITFunction.run does
-                for cfg in cfgs:
-                    diff = aot.binder_mismatches(launch, cfg, arch)
-                    binder_checks.append(not diff)
-                    if diff:
-                        failed.append(f"sm_{arch} {label} {source} {launch.kernel} {aot.config_name(cfg)}: binding "
-                                      f"differs from JITFunction.run: {'; '.join(diff)[:1500]}")
-            results = compiled[done:done + len(cfgs)]
-            done += len(cfgs)
-            for res in results:
-                rows.append({"arch": arch, "dtype": label, "source": source, **res.__dict__})
-                if res.error:
-                    failed.append(f"sm_{arch} {label} {source} {res.kernel} {res.config}: {res.error}")
-            if not any(r.fits for r in results) and not any(r.error for r in results):
-                failed.append(f"sm_{arch} {label} {source} {launch.kernel}: no config fits in shared memory "
-                              f"({[r.shared for r in results]})")
-            status = "ok" if all(r.error is None for r in results) else "FAILED"
-            print(f"  [{i}/{len(plan)}] sm_{arch} {launch.kernel} {label} {source}: {len(results)} config(s) {status} "
-                  f"({sum(r.seconds for r in results):.1f} s)", flush=True)
+        if a.check_binder:  # the compile check must bind as JITFunction.run does
+            for cfg in cfgs:
+                diff = aot.binder_mismatches(launch, cfg, arch)
+                binder_checks.append(not diff)
+                if diff:
+                    failed.append(f"sm_{arch} {label} {source} {launch.kernel} {aot.config_name(cfg)}: binding "
+                                  f"differs from JITFunction.run: {'; '.join(diff)[:1500]}")
+        results = compiled[done:done + len(cfgs)]
+        done += len(cfgs)
+        for res in results:
+            rows.append({"arch": arch, "dtype": label, "source": source, **res.__dict__})
+            if res.error:
+                failed.append(f"sm_{arch} {label} {source} {res.kernel} {res.config}: {res.error}")
+        if not any(r.fits for r in results) and not any(r.error for r in results):
+            failed.append(f"sm_{arch} {label} {source} {launch.kernel}: no config fits in shared memory "
+                          f"({[r.shared for r in results]})")
+        status = "ok" if all(r.error is None for r in results) else "FAILED"
+        print(f"  [{i}/{len(plan)}] sm_{arch} {launch.kernel} {label} {source}: {len(results)} config(s) {status} "
+              f"({sum(r.seconds for r in results):.1f} s)", flush=True)
 
     shown = [{"arch": f"sm_{r['arch']}", "kernel": r["kernel"].strip("_").replace("_kernel", ""),
               "dtype": r["dtype"], "source": r["source"], "config": r["config"],

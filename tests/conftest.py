@@ -40,9 +40,8 @@ def pytest_sessionstart(session):
         return
     import subprocess
 
-    log = open(os.devnull, "w")
     _warm["proc"] = subprocess.Popen([sys.executable, str(Path(__file__).parent / "warm_planners.py")],
-                                     stdout=log, stderr=subprocess.PIPE, text=True)
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 def _wait_for_warm_up() -> None:

@@ -42,8 +42,9 @@ def register_cli(sub) -> None:
     p.set_defaults(func=_cli)
 
 
-def config_of(args) -> tuple[TrainConfig, int]:
-    """The run's config and world size from the arguments (ValueError naming what is wrong)."""
+def config_of(args) -> tuple[TrainConfig, int, int | None]:
+    """The run's config, world size and model vocabulary (:func:`~lrmoe.train.estimate.run_vocab`) from
+    the arguments (ValueError naming what is wrong)."""
     base: dict = {}
     world = None
     if (args.preset is None) != (args.run is None):
@@ -64,7 +65,7 @@ def config_of(args) -> tuple[TrainConfig, int]:
     if "model_overrides" in given:
         given["model_overrides"] = dict(given["model_overrides"])
     cfg = dict(base, **given)
-    args.model_vocab = run_vocab(cfg)  # (read before the tokenizer is dropped below)
+    model_vocab = run_vocab(cfg)  # (read before the tokenizer is dropped below)
     for k in ("init_from", "tokenizer", "data"):  # the model preset's dimensions; no data is read
         cfg.pop(k, None)
     cfg = TrainConfig.from_dict(cfg)
@@ -72,16 +73,16 @@ def config_of(args) -> tuple[TrainConfig, int]:
     if args.trace_steps < 1 or args.gpu_gib <= 0 or args.overhead_gib < 0:
         raise ValueError(f"--trace-steps must be >= 1, --gpu-gib > 0 and --overhead-gib >= 0; got {args.trace_steps}, "
                          f"{args.gpu_gib}, {args.overhead_gib}")
-    return cfg, world
+    return cfg, world, model_vocab
 
 
 def _cli(args) -> int:
     from ..train.estimate import estimate_memory, table
 
     try:
-        cfg, world = config_of(args)
+        cfg, world, model_vocab = config_of(args)
         res = estimate_memory(cfg, world, gpu_gib=args.gpu_gib, overhead_gib=args.overhead_gib, steps=args.trace_steps,
-                              model_vocab=getattr(args, "model_vocab", None),
+                              model_vocab=model_vocab,
                               doc_len=args.doc_len, progress=lambda line: print(line, file=sys.stderr, flush=True))
     except ValueError as e:
         print(f"lrmoe estimate-memory: {e}", file=sys.stderr)

@@ -214,7 +214,9 @@ def _conditions(args) -> int:
     """T4, T5 and F3 (20x) across workloads x token-buffer accounting x GEMM rate (lrmoe.sim.conditions)."""
     from ..environment import git_revision
     from ..files import write_json, write_text
-    from .conditions import markdown, run_conditions
+    from paper_figures.results import paper_numbers
+
+    from .conditions import markdown, paper_cells, run_conditions
 
     if args.out.exists() and not args.out.is_dir():
         return _fail(f"--out {args.out} is a file; give a folder")
@@ -232,7 +234,7 @@ def _conditions(args) -> int:
         except (OSError, CorruptFileError, ValueError) as e:
             return _fail(f"--trace {args.trace}: {e}")
     t0 = time.perf_counter()
-    result = run_conditions(steps=args.steps or 3, layers=args.layers or 4, trace=trace,
+    result = run_conditions(paper_cells(paper_numbers()), steps=args.steps or 3, layers=args.layers or 4, trace=trace,
                             progress=lambda msg: print(f"[simulate] {msg}", file=sys.stderr, flush=True))
     result["git_rev"] = git_revision()
     result["wall_s"] = time.perf_counter() - t0

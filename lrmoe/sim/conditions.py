@@ -31,20 +31,29 @@ ACCOUNTING = ("all", "compacted")
 GEMM_TFLOPS = (242.0, 400.0, 483.0)
 WITHIN = 0.15
 PRESSURE = 20
-#: The paper's cells (Qwen3-30B-A3B): T4 subtotal GiB per method, T5 backward ms, F3 at 20x in % of LRMoE.
-PAPER = {("T4", "fixed"): 12.88, ("T4", "ultraep"): 8.03, ("T4", "symi"): 12.88, ("T4", "lrmoe"): 5.44,
-         ("T5", "fixed"): 29.64, ("T5", "lrmoe"): 12.69, ("T5", "ratio"): 29.64 / 12.69,
-         ("F3", "ultraep"): 58.4, ("F3", "symi"): 44.9, ("F3", "fixed"): 40.0}
+NAMES = {"fixed": "Megatron-LM", "ultraep": "UltraEP", "symi": "SYMI", "lrmoe": "LRMoE"}  # the paper's method names
+
+
+def paper_cells(paper: dict) -> dict:
+    """The paper's cells this sweep judges (Qwen3-30B-A3B), ``{(table, method): value}``, from the
+    paper's numbers (``paper_figures.results.paper_numbers()``): T4 subtotal GiB per method, T5
+    backward ms (fixed ownership = the paper's baseline) and their ratio, F3 at 20x in % of LRMoE."""
+    t4, t5, f3 = paper["T4"]["subtotal"], paper["T5"]["values"], paper["F3"]["values"]
+    cells = {("T4", m): float(t4[NAMES[m]]) for m in ("fixed", "ultraep", "symi", "lrmoe")}
+    cells |= {("T5", "fixed"): float(t5["baseline"]), ("T5", "lrmoe"): float(t5["LRMoE"]),
+              ("T5", "ratio"): float(t5["baseline"]) / float(t5["LRMoE"])}
+    return cells | {("F3", m): float(f3[NAMES[m]]) for m in ("ultraep", "symi", "fixed")}
 
 
 def within(kit: float, paper: float) -> bool:
     return abs(kit / paper - 1) <= WITHIN
 
 
-def run_conditions(*, steps: int = 3, layers: int = 4, trace=None, trace_name: str = "model trace",
+def run_conditions(paper: dict, *, steps: int = 3, layers: int = 4, trace=None, trace_name: str = "model trace",
                    progress: Callable[[str], None] | None = None) -> dict:
     """``{"rows": [...], "reproducers": {...}, "settings": {...}}``; one row per (workload, accounting,
-    GEMM rate) with the kit's value and whether it is within 15 % for every paper cell."""
+    GEMM rate) with the kit's value and whether it is within 15 % for every paper cell
+    (``paper``: :func:`paper_cells`)."""
     say = progress or (lambda msg: None)
     paper_sc = dataclasses.replace(get_scenario("paper-qwen3"), steps=steps, layers=layers)
     pressure_sc = dataclasses.replace(get_scenario("pressure-qwen3"), steps=steps, layers=layers, pressures=(PRESSURE,))
@@ -72,10 +81,10 @@ def run_conditions(*, steps: int = 3, layers: int = 4, trace=None, trace_name: s
                         {("F3", m): v for m, v in f3.items()}
                 rows.append({"workload": name, "accounting": acc, "gemm_tflops": rate,
                              "cells": {f"{a}/{m}": v for (a, m), v in cells.items()},
-                             "within": {f"{a}/{m}": within(v, PAPER[(a, m)]) for (a, m), v in cells.items()},
+                             "within": {f"{a}/{m}": within(v, paper[(a, m)]) for (a, m), v in cells.items()},
                              "lrmoe_vs_fixed_memory": t4["lrmoe"] / t4["fixed"] - 1,
                              "lrmoe_kept_backward_share_at_20x": kept})
-    return {"rows": rows, "reproducers": reproducers(rows), "paper": {f"{a}/{m}": v for (a, m), v in PAPER.items()},
+    return {"rows": rows, "reproducers": reproducers(rows), "paper": {f"{a}/{m}": v for (a, m), v in paper.items()},
             "settings": {"steps": steps, "layers": layers, "pressure": PRESSURE, "within": WITHIN,
                          "scenario": "paper-qwen3 / pressure-qwen3", "hardware": "h100-sxm, gemm_tflops varied",
                          "trace": None if trace is None else dict(trace.meta)}, "simulated": True}

@@ -10,10 +10,14 @@ from lrmoe.sim import conditions
 def test_a_small_sweep_marks_every_cell(monkeypatch, tmp_path):
     monkeypatch.setattr(conditions, "WORKLOADS", (("balanced", "balanced", {}), ("hot rank", "hot_rank", {})))
     monkeypatch.setattr(conditions, "GEMM_TFLOPS", (242.0, 483.0))
-    r = conditions.run_conditions(steps=1, layers=1)
+    from paper_figures.results import paper_numbers
+
+    paper = conditions.paper_cells(paper_numbers())
+    assert paper[("T4", "lrmoe")] == 5.44 and paper[("T5", "fixed")] == 29.64 and paper[("F3", "ultraep")] == 58.4
+    r = conditions.run_conditions(paper, steps=1, layers=1)
     assert len(r["rows"]) == 2 * 2 * 2  # workloads x rates x accountings
     for row in r["rows"]:
-        assert set(row["cells"]) == set(r["paper"]) == {f"{a}/{m}" for a, m in conditions.PAPER}
+        assert set(row["cells"]) == set(r["paper"]) == {f"{a}/{m}" for a, m in paper}
         for c, v in row["cells"].items():
             assert row["within"][c] == (abs(v / r["paper"][c] - 1) <= 0.15)
         assert row["cells"]["T5/ratio"] == pytest.approx(row["cells"]["T5/fixed"] / row["cells"]["T5/lrmoe"])
