@@ -27,8 +27,8 @@ def _label(result: dict) -> str:
     if swept == "ranks" and len(shape) == 4:
         shape[2] = "G"
     steps_layers = f"trace: {src}, [steps, layers, ranks, experts] {shape}"
-    planning = "planning: median host time included" if next(iter(result["methods"].values())).get(
-        "planning_included", True) else "planning excluded"
+    planning = "host time (planning, layout): median included" if next(iter(result["methods"].values())).get(
+        "planning_included", True) else "host time excluded"
     return (f"Simulated ({hw}; {sc['model']}, {ep}, {sc['tokens_per_rank']} tokens per GPU, {budget}; "
             f"{steps_layers}; {planning}; scenario {sc['name']})")
 
@@ -99,12 +99,15 @@ def t5_rows(result: dict, paper: dict) -> list[list[str]]:
 
 
 def _without_planning(m: dict, key: str) -> float:
-    """A per-layer time without the planners' host time (which depends on this host's load)."""
-    return m[key] - (m["planning_ms_per_layer"] if m.get("planning_included", True) else 0.0)
+    """A per-layer time without the host time charged to it (planning and layout, which depend on this
+    host and its load)."""
+    if not m.get("planning_included", True):
+        return m[key]
+    return m[key] - m["planning_ms_per_layer"] - m.get("layout_ms_per_layer", 0.0)
 
 
 T5_HEAD = ["method", "backward ms/layer", "GEMMs", "all-to-alls", "router grad + scoring + gathers",
-           "replica grads", "forward ms/layer (planning excluded)", "planning ms (this host)", "forward pairs %", "backward pairs %",
+           "replica grads", "forward ms/layer (host time excluded)", "planning ms (this host)", "forward pairs %", "backward pairs %",
            "paper backward"]
 
 
@@ -172,7 +175,7 @@ def make_tables(result: dict, paper: dict, out: Path) -> list[Path]:
     if result.get("sweep"):
         head, rows = f5_rows(result)
         tables.append(("F5", f"F5 {name}: MoE-layer time per layer (fwd + bwd, mean over steps and layers, "
-                             f"planning excluded; ms) and LRMoE's effective-throughput ratio as "
+                             f"host time excluded; ms) and LRMoE's effective-throughput ratio as "
                              f"{result['sweep']['field']} varies; LRMoE's planner host time beside", head, rows))
     else:
         want = result["scenario"].get("tables", ())
@@ -188,17 +191,17 @@ def make_tables(result: dict, paper: dict, out: Path) -> list[Path]:
         if "F3" in want:
             head, rows = f3_rows(result, paper)
             tables.append(("F3", f"F3 {name}: effective throughput (useful pairs per second) relative to LRMoE "
-                                 "at the same pressure, the planners' host time included", head, rows))
+                                 "at the same pressure, the host time (planning and layout) included", head, rows))
             head, rows = f3_rows(result, paper, "relative_without_planning")
-            tables.append(("F3-no-planning", f"F3 {name}: the same, planning time excluded (the planners' host "
-                                             "time left out of every method's step)", head, rows))
+            tables.append(("F3-no-planning", f"F3 {name}: the same, host time excluded (the planners' and "
+                                             "layouts' host time left out of every method's step)", head, rows))
     paths = []
     d = Path(out) / "tables"
     for key, title, head, rows in tables:
         stem = f"{key}_{name}"
         label = _label(result)
         if key.endswith("no-planning") or key == "F5":
-            label = label.replace("planning: median host time included", "planning excluded")
+            label = label.replace("host time (planning, layout): median included", "host time excluded")
         paths.append(write_text(d / f"{stem}.md", f"**{title}**\n\n{_table(head, rows)}\n\n{label}\n"))
         paths.append(write_text(d / f"{stem}.tex", _tex(f"{title}. {label}", head, rows)))
     return paths
@@ -238,9 +241,9 @@ def _f5_figure(result: dict, out: Path) -> list[Path]:
     ax.set_xticks(xs)
     ax.set_xticklabels([f"{v:g}" for v in xs])
     ax.set_xlabel(SWEEP_LABELS.get(sw["field"], sw["field"]))
-    ax.set_ylabel("MoE-layer time per layer (ms)\nforward + backward, mean; planning excluded")
+    ax.set_ylabel("MoE-layer time per layer (ms)\nforward + backward, mean; host time excluded")
     ax.set_ylim(bottom=0)
-    ax.legend(fontsize=8, loc="lower left", frameon=True)
+    ax.legend(fontsize=8, loc="best", frameon=True)  # (the place that hides the fewest points)
     ax.set_title(f"F5 {name}: simulated ({result['hardware']['name']}, {result['scenario']['model']}), "
                  f"not measured", fontsize=9)
     fig.tight_layout()
@@ -262,8 +265,8 @@ def _f3_figure(result: dict, paper: dict, out: Path) -> list[Path]:
     fig, axes = plt.subplots(1, 3, figsize=(13.5, 4.0))
     vals = paper.get("F3", {}).get("values", {})
     at = paper.get("F3", {}).get("pressure", 20)
-    panels = (("relative_without_planning", "(a) planning time excluded"),
-              ("relative", "(b) planning time included (this host's numpy planners)"))
+    panels = (("relative_without_planning", "(a) host time excluded"),
+              ("relative", "(b) host time included (this CPU's compiled planners and layouts)"))
     for ax, (key, title) in zip(axes[:2], panels):
         for n, m in methods.items():
             if not all(key in m["throughput"][k] for k in ks):

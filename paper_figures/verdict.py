@@ -212,7 +212,7 @@ def pressure(root: Path) -> dict:
                f"partly: {ok} of {len(paper)} cells within 15 %" if ok else "not reproduced")
     return {"claim": "under 20× batch pressure LRMoE keeps the highest effective throughput (F3)",
             "paper": "of LRMoE's: " + ", ".join(f"{NAMES[k]} {v:.1f} %" for k, v in paper.items()),
-            "kit": "of LRMoE's: " + ", ".join(cells) + " (planning time included)",
+            "kit": "of LRMoE's: " + ", ".join(cells) + " (planning and layout host time included)",
             "source": f"simulated, Qwen3-30B-A3B EP8, log-normal σ 1, h100-sxm ({f})", "verdict": verdict}
 
 
