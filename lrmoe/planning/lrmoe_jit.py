@@ -1118,11 +1118,13 @@ def search_tau(qs, prob, work, thr, thr_fits):
 
 # ----------------------------------------------------------------------------- the kept-pair search
 @njit
-def keep_search(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep):
+def keep_search(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep, bisect):
     """The kept-pair search of one demand piece with a built-in quota policy (``plan_lrmoe``'s
     keep_search): (n_keep, its quotas' threshold or -1, whether the candidate there is known to fit,
     quota status); n_keep -1 when even lo_keep does not fit. ``num / den``: the kept fraction of the
-    drop ratio (hi_keep is its own n_keep)."""
+    drop ratio (hi_keep is its own n_keep). ``bisect=False`` stops after the first two probes, when
+    only whether some count fits matters (a microbatch-split probe): n_keep is then hi_keep, -1, or
+    lo_keep < hi_keep for "lo_keep fits, the bisection between them not run"."""
     d_E = d_GE.sum(0)
     work = workspace(prob)
     # hi_keep first, the cost-optimal candidate first (it usually fits)
@@ -1132,6 +1134,8 @@ def keep_search(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep):
     fit, thr, thr_fits, bad = _fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, lo_keep, True)
     if bad != QUOTA_OK or not fit:
         return -1, -1, False, bad
+    if not bisect:
+        return lo_keep, thr, thr_fits, QUOTA_OK
     slack = slack_units(prob[13], d_E.sum())
     while hi_keep - lo_keep > slack:  # lo_keep fits, hi_keep does not
         mid = (lo_keep + hi_keep) // 2
@@ -1224,7 +1228,7 @@ def plan_piece(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep):
         if peak <= prob[10]:
             return hi_keep, q_E, QUOTA_OK, (thr, thr, expert_N, rank_N, _slots(expert_N, rank_N, G, E),
                                             np.ascontiguousarray(send.T), np.ascontiguousarray(quota_NG.T), mem, peak)
-    n_keep, thr, thr_fits, bad = keep_search(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep)
+    n_keep, thr, thr_fits, bad = keep_search(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep, True)
     use = hi_keep if n_keep < 0 else n_keep
     q_E, bad2, result = piece_result(d_GE, prob, policy, min_keep, num, den, use, hi_keep,
                                      thr if n_keep >= 0 else -1, thr_fits and n_keep >= 0)

@@ -363,7 +363,7 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
             P = int(d_GE.sum())
             hi_keep, lo_keep = retained_total(P, drop_ratio), retained_total(P, max_drop_ratio)
             if policy_args is not None:
-                n_keep, thr, thr_fits, bad = K.keep_search(d_GE, prob, *policy_args, hi_keep, lo_keep)
+                n_keep, thr, thr_fits, bad = K.keep_search(d_GE, prob, *policy_args, hi_keep, lo_keep, True)
                 _raise_on_bad_quota(bad)
                 kept[key] = (None if n_keep < 0 else n_keep, thr, thr_fits)
             else:
@@ -417,8 +417,25 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
         return plan if n_keep in (None, hi_keep) else dataclasses.replace(plan, over_budget=True,
                                                                           fallback="shrink_quota")
 
+    feasible: dict[bytes, bool] = {}  # demand piece -> some kept-pair count fits (keep_feasible)
+
     def fits(d_GE, row_cap):
-        return shrunk_keep(d_GE) is not None
+        """Whether some kept-pair count fits d_GE: the microbatch-split search's probe. Only the piece
+        it returns is planned, so its kept-pair bisection runs there (in build), not in every probe."""
+        key = d_GE.tobytes()
+        if key in kept:
+            return kept[key][0] is not None
+        if policy_args is None:
+            return shrunk_keep(d_GE) is not None
+        if key not in feasible:
+            P = int(d_GE.sum())
+            hi_keep, lo_keep = retained_total(P, drop_ratio), retained_total(P, max_drop_ratio)
+            n_keep, thr, thr_fits, bad = K.keep_search(d_GE, prob, *policy_args, hi_keep, lo_keep, False)
+            _raise_on_bad_quota(bad)
+            if n_keep == hi_keep or n_keep < 0:  # the search's answer already: hi_keep fits, or none does
+                kept[key] = (None if n_keep < 0 else n_keep, thr, thr_fits)
+            feasible[key] = n_keep >= 0
+        return feasible[key]
 
     return resolve_budget(build, demand_GE, budget_bytes, fallback, max_split, fits=fits)
 
