@@ -1138,8 +1138,10 @@ def keep_search(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep, bisect
         return lo_keep, thr, thr_fits, QUOTA_OK
     slack = slack_units(prob[13], d_E.sum())
     while hi_keep - lo_keep > slack:  # lo_keep fits, hi_keep does not
+        # the cost-optimal candidate first: near the boundary it decides more often than the top one, whose
+        # memory pass leaves it a little over the budget (the answer is the same either way: search_fits)
         mid = (lo_keep + hi_keep) // 2
-        fit, t, t_fits, bad = _fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, mid, True)
+        fit, t, t_fits, bad = _fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, mid, False)
         if bad != QUOTA_OK:
             return -1, -1, False, bad
         if fit:
