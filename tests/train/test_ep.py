@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 LAUNCH_DEADLINE_S = 180
 # global batch 8 rows (2 micro-batches of 4; 2 rows per rank per micro-batch), 64 tokens per row
 RUN = dict(model="qwen3-moe-tiny", tokenizer="bpe:300", seq_len=64, micro_batch=4, grad_accum=2, steps=6, lr=3e-3,
-           warmup_steps=1, heldout_fraction=0.1, eval_interval=3, eval_batches=2, checkpoint_interval=2)
+           warmup_steps=1, heldout_fraction=0.1, eval_interval=3, eval_batches=2, checkpoint_interval=2,
+           load_concurrency=0)  # a tiny model: both ranks build it at once (the fixed run below takes turns)
 C20 = dict(RUN, drop_ratio=0.2)
 
 
@@ -88,7 +89,8 @@ def runs(tmp_path_factory):
         t0 = time.perf_counter()
         train(TrainConfig(**RUN, **data, threads=1), base / "single", progress=False)  # also prepares the data
         walls["single"] = time.perf_counter() - t0
-    walls["fixed"] = torchrun(base / "fixed", dict(RUN, **data, ep=2, placement="fixed"), env=env)
+    # the default: the ranks build the model in turns (lrmoe.parallel.launch.in_turns)
+    walls["fixed"] = torchrun(base / "fixed", dict(RUN, **data, ep=2, placement="fixed", load_concurrency=1), env=env)
     lrm = dict(C20, **data, ep=2, placement="lrmoe")
     walls["lrmoe"] = torchrun(base / "lrmoe", dict(lrm, record_trace=str(base / "lrmoe.trace.npz")), env=env)
     lrm = dict(lrm, record_trace=str(base / "resumed.trace.npz"))

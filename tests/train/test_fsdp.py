@@ -25,7 +25,8 @@ from .test_ep import launch_env, torchrun
 TINY = shared_data_dir() / "alpaca" / "alpaca_tiny.json"
 DEADLINE_S = 240
 RUN = dict(model="qwen3-moe-tiny", tokenizer="bpe:300", seq_len=64, micro_batch=4, grad_accum=2, steps=4, lr=3e-3,
-           warmup_steps=1, heldout_fraction=0.1, eval_interval=2, eval_batches=2, checkpoint_interval=2)
+           warmup_steps=1, heldout_fraction=0.1, eval_interval=2, eval_batches=2, checkpoint_interval=2,
+           load_concurrency=0)  # a tiny model: the ranks build it at once, not in turns (a runtime field)
 
 
 @pytest.fixture(scope="module")
