@@ -20,60 +20,68 @@ if not torch.cuda.is_available():
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
-# ----------------------------------------------------------------------------- the planners' compile
+# ----------------------------------------------------------------------------- beside the tests
 # A fresh clone has no numba cache: tests/warm_planners.py compiles the planners in the background
 # while the test folders that plan nothing run first; the first test of any other folder waits for
-# it (so two EP ranks do not both compile the same functions at once). LRMOE_WARM_PLANNERS=0: off.
+# it (so two EP ranks do not both compile the same functions at once). Then the same background
+# (tests/background.py) runs the sm_90 Triton compile check, whose module runs last.
+# LRMOE_WARM_PLANNERS=0: no background (each module does its own work).
 PLANNER_FREE = ("architecture", "base", "cli", "kernels", "ablate")  # checked: they compile no planner
-_warm: dict = {}
+LAST = ("kernels/test_triton_compile.py",)  # modules that read a background job's output
+_state: dict = {}
 
 
 def _folder(item) -> str:
+    return _parts(item)[0] if _parts(item) else ""
+
+
+def _parts(item) -> tuple:
     try:
-        return Path(str(item.fspath)).resolve().relative_to(Path(__file__).parent.resolve()).parts[0]
+        return Path(str(item.fspath)).resolve().relative_to(Path(__file__).parent.resolve()).parts
     except ValueError:
-        return ""
+        return ()
 
 
 def pytest_sessionstart(session):
     if os.environ.get("LRMOE_WARM_PLANNERS", "1") == "0":
         return
-    import subprocess
+    import background
 
-    _warm["proc"] = subprocess.Popen([sys.executable, str(Path(__file__).parent / "warm_planners.py")],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    bg = background.Background([sys.executable, str(Path(__file__).parent / "warm_planners.py")])
+    bg.start()
+    session.config.stash[background.KEY] = _state["bg"] = bg
 
 
-def _wait_for_warm_up() -> None:
-    proc = _warm.pop("proc", None)
-    if proc is None:
+def pytest_collection_finish(session):
+    """The background's jobs: those whose module is among the tests that will run."""
+    bg = _state.get("bg")
+    if bg is None:
         return
-    try:
-        _, err = proc.communicate(timeout=900)
-    except Exception:  # noqa: BLE001 - a stuck warm-up: the tests compile what they need themselves
-        proc.kill()
-        return
-    if proc.returncode != 0:
-        import warnings
+    import background
 
-        warnings.warn(f"tests/warm_planners.py failed (exit {proc.returncode}); the tests compile the planners "
-                      f"themselves:\n{err[-2000:]}")
+    modules = {"/".join(_parts(item)[:2]) for item in session.items}
+    if "kernels/test_triton_compile.py" in modules:
+        env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(bg.root / "triton_sm90" / "cache")}
+        bg.add("triton_sm90", lambda out: background.triton_check_argv(out, jobs=1), env, timeout_s=600)
+    bg.close_registration()
 
 
 def pytest_runtest_setup(item):
-    if "proc" in _warm and _folder(item) not in PLANNER_FREE:
-        _wait_for_warm_up()
+    bg = _state.get("bg")
+    if bg is not None and _folder(item) not in PLANNER_FREE:
+        bg.wait_for_warm_up()
 
 
 def pytest_sessionfinish(session, exitstatus):
-    proc = _warm.pop("proc", None)
-    if proc is not None and proc.poll() is None:
-        proc.kill()
+    bg = _state.pop("bg", None)
+    if bg is not None:
+        bg.stop()
 
 
 def pytest_collection_modifyitems(config, items):
-    # the folders that plan nothing first (in their order), beside the planners' warm-up
-    items.sort(key=lambda item: _folder(item) not in PLANNER_FREE)
+    # the folders that plan nothing first (in their order), beside the planners' warm-up; the modules
+    # that read a background job's output last
+    items.sort(key=lambda item: ("/".join(_parts(item)[:2]) in LAST, _folder(item) not in PLANNER_FREE))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
