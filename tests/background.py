@@ -11,6 +11,7 @@ checks: the command and its checks are the same, only where and when it runs dif
 """
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -25,10 +26,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+TRITON_CHECK_MODULE = "kernels/test_triton_compile.py"  # the module that reads the check's output
+
+
 def triton_check_argv(out: Path, jobs: int) -> list[str]:
     """``scripts/check_triton_compile.py`` as tests/kernels/test_triton_compile.py runs it."""
     return [sys.executable, str(ROOT / "scripts" / "check_triton_compile.py"), "--quick", "--dtype", "bf16",
             "--check-binder", "--arch", "90", "--jobs", str(jobs), "--out", str(out)]
+
+
+def triton_check_env(out: Path) -> dict:
+    """Its environment: the real compiler (not the interpreter), a fresh Triton cache under ``out``."""
+    return {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(out / "cache")}
 
 
 @dataclass

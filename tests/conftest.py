@@ -10,6 +10,7 @@ import torch
 # The shared test helpers (oracle.py, dist_helpers.py) live in tests/; the tests in its subfolders
 # (one per layer of the package) import them by name.
 sys.path.insert(0, str(Path(__file__).parent))
+import background  # noqa: E402 - tests/ on the path first
 
 # Triton kernels run on CPU tensors under the interpreter; it must be switched on before any
 # kernel is defined (i.e. before lrmoe.kernels.triton_* is imported). On a CUDA machine the
@@ -27,12 +28,13 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 # (tests/background.py) runs the sm_90 Triton compile check, whose module runs last.
 # LRMOE_WARM_PLANNERS=0: no background (each module does its own work).
 PLANNER_FREE = ("architecture", "base", "cli", "kernels", "ablate")  # checked: they compile no planner
-LAST = ("kernels/test_triton_compile.py",)  # modules that read a background job's output
+LAST = (background.TRITON_CHECK_MODULE,)  # modules that read a background job's output
 _state: dict = {}
 
 
 def _folder(item) -> str:
-    return _parts(item)[0] if _parts(item) else ""
+    parts = _parts(item)
+    return parts[0] if parts else ""
 
 
 def _parts(item) -> tuple:
@@ -45,8 +47,6 @@ def _parts(item) -> tuple:
 def pytest_sessionstart(session):
     if os.environ.get("LRMOE_WARM_PLANNERS", "1") == "0":
         return
-    import background
-
     bg = background.Background([sys.executable, str(Path(__file__).parent / "warm_planners.py")])
     bg.start()
     session.config.stash[background.KEY] = _state["bg"] = bg
@@ -57,12 +57,10 @@ def pytest_collection_finish(session):
     bg = _state.get("bg")
     if bg is None:
         return
-    import background
-
     modules = {"/".join(_parts(item)[:2]) for item in session.items}
-    if "kernels/test_triton_compile.py" in modules:
-        env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(bg.root / "triton_sm90" / "cache")}
-        bg.add("triton_sm90", lambda out: background.triton_check_argv(out, jobs=1), env, timeout_s=600)
+    if background.TRITON_CHECK_MODULE in modules:
+        bg.add("triton_sm90", lambda out: background.triton_check_argv(out, jobs=1),
+               background.triton_check_env(bg.root / "triton_sm90"), timeout_s=600)
     bg.close_registration()
 
 

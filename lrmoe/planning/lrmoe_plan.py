@@ -417,7 +417,7 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
         return plan if n_keep in (None, hi_keep) else dataclasses.replace(plan, over_budget=True,
                                                                           fallback="shrink_quota")
 
-    feasible: dict[bytes, bool] = {}  # demand piece -> some kept-pair count fits (keep_feasible)
+    feasible: dict[bytes, bool] = {}  # demand piece -> some kept-pair count fits (keep_search, bisect=False)
 
     def fits(d_GE, row_cap):
         """Whether some kept-pair count fits d_GE: the microbatch-split search's probe. Only the piece

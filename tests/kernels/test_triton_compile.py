@@ -18,7 +18,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from background import KEY, triton_check_argv
+from background import KEY, triton_check_argv, triton_check_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,9 +55,8 @@ def compiled(request, tmp_path_factory):
         r, out = done
     else:
         out = tmp_path_factory.mktemp("aot")
-        env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(out / "cache")}
-        r = subprocess.run(triton_check_argv(out, jobs=2), cwd=ROOT, env=env, capture_output=True, text=True,
-                           timeout=600)
+        r = subprocess.run(triton_check_argv(out, jobs=2), cwd=ROOT, env=triton_check_env(out), capture_output=True,
+                           text=True, timeout=600)
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return json.loads((out / "triton_compile_sm90.json").read_text())
 
