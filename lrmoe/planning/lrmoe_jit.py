@@ -1254,22 +1254,26 @@ def quota_search_fits(d_GE, q_E, prob, top_first):
 
 
 @njit
-def check_plan(d_GE, expert_N, rank_N, slot_N, is_rep_N, send, quota):
-    """:meth:`lrmoe.planning.plan.Plan.check` on the arrays: (error code, dropped_GE); code 0 when the
-    plan is consistent (1 bad instance, 2 taken slot, 3 expert without instance or two owners,
+def check_plan(d_GE, expert_N, rank_N, slot_N, send, quota):
+    """:meth:`lrmoe.planning.plan.Plan.check` on the arrays of a plan whose first E instances are the
+    owners, the others replicas: (error code, dropped_GE, is_replica_N, routed pairs, kept pairs); code 0
+    when the plan is consistent (1 bad instance, 2 taken slot, 3 expert without instance or two owners,
     4 negative send or dropped counts, 5 quota outside [0, send])."""
     G, E = d_GE.shape
     N = expert_N.size
     dropped = d_GE.copy()
+    is_rep_N = np.empty(N, dtype=np.bool_)
+    for c in range(N):
+        is_rep_N[c] = c >= E
     for c in range(N):
         e = expert_N[c]
         if not (0 <= e < E and 0 <= rank_N[c] < G and slot_N[c] >= 0):
-            return 1, dropped
+            return 1, dropped, is_rep_N, 0, 0
     S = slot_N.max() + 1 if N else 1
     taken = np.zeros((G, S), dtype=np.bool_)
     for c in range(N):
         if taken[rank_N[c], slot_N[c]]:
-            return 2, dropped
+            return 2, dropped, is_rep_N, 0, 0
         taken[rank_N[c], slot_N[c]] = True
     count = np.zeros(E, dtype=np.int64)
     owners = np.zeros(E, dtype=np.int64)
@@ -1279,25 +1283,27 @@ def check_plan(d_GE, expert_N, rank_N, slot_N, is_rep_N, send, quota):
             owners[expert_N[c]] += 1
     for e in range(E):
         if count[e] < 1 or owners[e] > 1:
-            return 3, dropped
-    low_send, low_quota, low_gap = 0, 0, 0  # branch-free minima (vectorised)
+            return 3, dropped, is_rep_N, 0, 0
+    low_send, low_quota, low_gap, kept = 0, 0, 0, 0  # branch-free minima (vectorised)
     for s in range(G):
         for c in range(N):
             low_send = min(low_send, send[s, c])
             low_quota = min(low_quota, quota[s, c])
             low_gap = min(low_gap, send[s, c] - quota[s, c])
+            kept += quota[s, c]
     if low_send < 0:
-        return 4, dropped
+        return 4, dropped, is_rep_N, 0, 0
     if low_quota < 0 or low_gap < 0:
-        return 5, dropped
+        return 5, dropped, is_rep_N, 0, 0
     for s in range(G):
         for c in range(N):
             dropped[s, expert_N[c]] -= send[s, c]
-    low = 0
+    low, pairs = 0, 0
     for s in range(G):
         for e in range(E):
             low = min(low, dropped[s, e])
-    return (4 if low < 0 else 0), dropped
+            pairs += d_GE[s, e]
+    return (4 if low < 0 else 0), dropped, is_rep_N, pairs, kept
 
 
 # ----------------------------------------------------------------------------- baseline selection quotas

@@ -115,6 +115,14 @@ def _problem(cluster: Cluster, dims: ModelDims, budget, free_G, owner_E, backwar
 
 
 @functools.lru_cache(maxsize=64)
+def _planner_problem(cluster: Cluster, dims: ModelDims, budget, replica_slots: int, backward_weight: float,
+                     min_rows: int, tolerance: float) -> tuple:
+    """:func:`_problem` of a planner call's options, made once per distinct call (shared by the calls:
+    its arrays are never written, but for the greedy-pass counter)."""
+    return _problem(cluster, dims, budget, *_layout(cluster, dims, replica_slots), backward_weight, min_rows, tolerance)
+
+
+@functools.lru_cache(maxsize=64)
 def _layout(cluster: Cluster, dims: ModelDims, replica_slots: int) -> tuple:
     """Free replica slots per rank and every expert's owner."""
     epr = owned_layout(cluster, dims, "lrmoe")
@@ -230,20 +238,18 @@ class _Result:
     def plan(self) -> Plan:
         """The checked Plan (what make_plan would build from these counts, without its Python loops)."""
         cluster, dims, budget, backward_weight, info = self.args
-        E = dims.num_experts
-        N = self.expert_N.size
-        is_rep = np.arange(N) >= E
-        code, dropped = K.check_plan(self.d_GE, self.expert_N, self.rank_N, self.slot_N, is_rep, self.send, self.quota)
+        code, dropped, is_rep, pairs, n_keep = K.check_plan(self.d_GE, self.expert_N, self.rank_N, self.slot_N,
+                                                             self.send, self.quota)
         if code:
             raise ValueError(f"plan lrmoe: {_CHECK_ERRORS[code]}")
         # the arrays as they are (owners first, then replicas): no Python object per instance
-        instances = Instances(self.expert_N, self.rank_N, self.slot_N, is_rep)
-        n_keep = int(self.q_E.sum())
+        instances = Instances.trusted(self.expert_N, self.rank_N, self.slot_N, is_rep)
         info = {**info, "threshold_cost": self.threshold_cost, "threshold": self.tau, "quota_E": self.q_E,
                 "n_keep": n_keep, "backward_weight": backward_weight,
-                "drop_ratio_effective": 1.0 - n_keep / max(int(self.d_GE.sum()), 1)}
-        return Plan("lrmoe", self.d_GE, instances, self.send, self.quota, dropped, MemoryBreakdown(*self.memory),
-                    budget, over_budget=self.peak > budget, info=info)
+                "drop_ratio_effective": 1.0 - n_keep / max(pairs, 1)}
+        memory = MemoryBreakdown.of(*self.memory, self.peak)
+        return Plan("lrmoe", self.d_GE, instances, self.send, self.quota, dropped, memory, budget,
+                    over_budget=self.peak > budget, info=info)
 
 
 def _result(d_GE, q_E, raw, args) -> _Result:
@@ -341,8 +347,7 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
         check_min_keep(quota_options.get("min_keep", 0))
     bw = float(backward_weight)
     info = {"drop_ratio": drop_ratio, "quota_policy": quota_policy, "search_tolerance": search_tolerance}
-    prob = _problem(cluster, dims, budget_bytes, *_layout(cluster, dims, int(R)), bw, int(min_rows),
-                    float(search_tolerance))
+    prob = _planner_problem(cluster, dims, budget_bytes, int(R), bw, int(min_rows), float(search_tolerance))
     result_args = (cluster, dims, budget_bytes, bw, info)
     keep = keep_fraction(drop_ratio)
     # the compiled built-in policies' arguments after the demand piece and the constants

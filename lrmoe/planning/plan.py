@@ -150,6 +150,17 @@ class Instances(Sequence):
         self._items = None
 
     @classmethod
+    def trusted(cls, expert_N, rank_N, slot_N, is_replica_N) -> "Instances":
+        """From four arrays a compiled kernel just made (1-D, one length, int64 and bool, contiguous,
+        owned by no one else): no conversion nor check (the constructor's cost on every small plan)."""
+        out = object.__new__(cls)
+        for a in (expert_N, rank_N, slot_N, is_replica_N):
+            a.setflags(write=False)
+        out.expert_N, out.rank_N, out.slot_N, out.is_replica_N = expert_N, rank_N, slot_N, is_replica_N
+        out._items = None
+        return out
+
+    @classmethod
     def of(cls, instances) -> "Instances":
         """From an iterable of :class:`Instance` (or an ``Instances``, returned as is)."""
         if isinstance(instances, Instances):
