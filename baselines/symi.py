@@ -182,6 +182,38 @@ def layout_kernel(counts_E, slots_per_rank):
     return expert_N, rank_N, slot_N, replica_N
 
 
+@njit
+def counted_layout_kernel(pop_E, total_slots, slots_per_rank):
+    """:func:`symi_slot_counts` and :func:`symi_layout` in one call for int64 popularity, when the
+    counts kernel applies (every count >= 0, a positive sum, no int64 overflow): (True, counts,
+    layout arrays); else (False, ...) and the caller takes the general path (which also reads counts
+    of 2**53 and more as floats, as it does)."""
+    total = 0
+    for e in range(pop_E.size):
+        if pop_E[e] < 0:
+            total = -1
+            break
+        total += pop_E[e]
+    if total <= 0 or total >= 2**53 or float(total) * (total_slots + 1) >= 2.0**61:
+        z = np.zeros(0, np.int64)
+        return False, z, z, z, z, np.zeros(0, np.bool_)
+    counts = slot_counts_kernel(pop_E, total_slots)
+    expert_N, rank_N, slot_N, replica_N = layout_kernel(counts, slots_per_rank)
+    return True, counts, expert_N, rank_N, slot_N, replica_N
+
+
+def symi_counts_layout(popularity_E, total_slots: int, slots_per_rank: int) -> tuple[np.ndarray, Instances]:
+    """(:func:`symi_slot_counts`, :func:`symi_layout` of them): one compiled call for counted popularity."""
+    if isinstance(popularity_E, np.ndarray) and popularity_E.dtype == np.int64 and popularity_E.ndim == 1 \
+            and total_slots >= popularity_E.size:
+        ok, counts, *layout = counted_layout_kernel(np.ascontiguousarray(popularity_E), int(total_slots),
+                                                    int(slots_per_rank))
+        if ok:
+            return counts, Instances.trusted(*layout)
+    counts = symi_slot_counts(popularity_E, total_slots)
+    return counts, symi_layout(counts, slots_per_rank)
+
+
 def symi_layout(slot_counts_E, slots_per_rank: int) -> Instances:
     """:func:`symi_instances` as :class:`Instances`."""
     return Instances(*layout_kernel(np.ascontiguousarray(slot_counts_E, dtype=np.int64), int(slots_per_rank)))
@@ -231,8 +263,7 @@ def plan_symi(demand_GE, cluster, dims, budget_bytes, *, state: SymiState | None
     popularity = np.ones(E) if state is None else np.asarray(state.popularity_E)
     if popularity.shape != (E,):
         raise ValueError(f"symi state popularity must have shape [E={E}], got {popularity.shape}")
-    counts = symi_slot_counts(popularity, G * S)
-    instances = symi_layout(counts, S)
+    counts, instances = symi_counts_layout(popularity, G * S, S)
     expert_N, rank_N, replica_N = instances.expert_N, instances.rank_N, instances.is_replica_N
     new_state = SymiState(demand_GE.sum(0))
     mode = "dropless" if capacity_factor is None else f"capacity_factor={capacity_factor}"

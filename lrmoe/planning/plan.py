@@ -1006,22 +1006,24 @@ def _owner_layout(num_experts: int, experts_per_rank: int) -> Instances:
 @njit
 def replica_slots(expert_N, rank_N, num_ranks, experts_per_rank, slots_per_rank):
     """Slots of the owner-plus-replicas layout (:func:`replica_instances`): owner e in slot e % (E/G),
-    replicas in the slots after the owned ones, in column order. Returns (slot_N, -1), or
-    (slot_N, n) for the first replica column n whose rank has no free slot."""
+    replicas in the slots after the owned ones, in column order. Returns (slot_N, is_replica_N, -1),
+    or (slot_N, is_replica_N, n) for the first replica column n whose rank has no free slot."""
     N = expert_N.size
     E = num_ranks * experts_per_rank
     slot_N = np.empty(N, np.int64)
+    is_replica_N = np.empty(N, np.bool_)
     used = np.full(num_ranks, experts_per_rank, np.int64)
     for n in range(N):
+        is_replica_N[n] = n >= E
         if n < E:
             slot_N[n] = n % experts_per_rank
             continue
         t = rank_N[n]
         if used[t] >= slots_per_rank:
-            return slot_N, n
+            return slot_N, is_replica_N, n
         slot_N[n] = used[t]
         used[t] += 1
-    return slot_N, -1
+    return slot_N, is_replica_N, -1
 
 
 def replica_layout(cluster: Cluster, dims: ModelDims, expert_N, rank_N, policy: str) -> Instances:
@@ -1029,11 +1031,14 @@ def replica_layout(cluster: Cluster, dims: ModelDims, expert_N, rank_N, policy: 
     then replicas by expert): the same instances, as :class:`Instances`."""
     epr = owned_layout(cluster, dims, policy)
     expert_N, rank_N = _int64(expert_N), _int64(rank_N)
-    slot_N, bad = replica_slots(expert_N, rank_N, cluster.num_ranks, epr, cluster.slots_per_rank)
+    if expert_N.ndim != 1 or expert_N.shape != rank_N.shape:
+        raise ValueError(f"{policy}: instance experts and ranks must be 1-D of one length, got shapes "
+                         f"{expert_N.shape} and {rank_N.shape}")
+    slot_N, is_replica_N, bad = replica_slots(expert_N, rank_N, cluster.num_ranks, epr, cluster.slots_per_rank)
     if bad >= 0:
         raise ValueError(f"{policy}: rank {int(rank_N[bad])} has no free slot for a replica of expert "
                          f"{int(expert_N[bad])}")
-    return Instances(expert_N, rank_N, slot_N, np.arange(expert_N.size) >= dims.num_experts)
+    return Instances.trusted(expert_N, rank_N, slot_N, is_replica_N)
 
 
 def replica_instances(cluster: Cluster, dims: ModelDims, hosts_E,
@@ -1167,8 +1172,6 @@ def make_plan(policy: str, demand_GE, cluster: Cluster, dims: ModelDims, budget_
     ex = inst.expert_N
     if send_GN.ndim != 2 or send_GN.shape[1] != N:
         raise ValueError(f"x_GN must have one column per instance ({N}), got shape {send_GN.shape}")
-    if N and (ex.min() < 0 or ex.max() >= E):
-        raise ValueError(f"instance experts must be in [0, {E}), got {ex.min()}..{ex.max()}")
     d = np.asarray(demand_GE)
     if d.shape != (G, E) or send_GN.shape != (G, N) or quota_GN.shape != (G, N):
         raise ValueError(f"plan {policy}: count matrices have the wrong shapes")
@@ -1178,6 +1181,8 @@ def make_plan(policy: str, demand_GE, cluster: Cluster, dims: ModelDims, budget_
         _int64(d), send_c, send_c if same else np.ascontiguousarray(quota_GN), same, ex, inst.rank_N, inst.slot_N,
         inst.is_replica_N, E, memory_constants(dims, bool(optimizer_on_gpu)))
     if err:
+        if N and (ex.min() < 0 or ex.max() >= E):  # the kernel's instance check refused it: say why
+            raise ValueError(f"instance experts must be in [0, {E}), got {ex.min()}..{ex.max()}")
         raise ValueError(f"plan {policy}: {_CHECK_ERRORS[err]}")
     mem = MemoryBreakdown.of(base, reps, dispatch, saved, backward, peak)
     return Plan(policy, demand_GE, inst, send_GN, quota_GN, dropped, mem, budget_bytes, over_budget=peak > budget_bytes,
