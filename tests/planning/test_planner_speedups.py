@@ -318,8 +318,9 @@ def test_a_thousand_random_small_cases_keep_the_reference_quality(chunk):
 def test_symi_slot_counts_equal_reference(seed):
     """SYMI's slot allocation (heap form, integer fast path) gives the reference loop's counts:
     integer counts, exact ties (thirds), zeros, fractional popularity, one hot expert (the
-    decrement loop runs), a single expert, and slot totals from E to 4E."""
-    from baselines.symi import symi_slot_counts
+    decrement loop runs), a single expert, and slot totals from E to 4E; the planner's one-call
+    counts and layout for counted popularity equal them."""
+    from baselines.symi import symi_counts_layout, symi_layout, symi_slot_counts
     from lrmoe.planning.reference.symi import symi_slot_counts as ref_counts
     rng = np.random.default_rng(700 + seed)
     for _ in range(40):
@@ -341,6 +342,16 @@ def test_symi_slot_counts_equal_reference(seed):
         got = symi_slot_counts(pop, total)
         np.testing.assert_array_equal(got, ref_counts(pop, total), err_msg=f"{kind} E={E} total={total} pop={pop}")
         assert got.sum() == total and got.min() >= 1
+        if kind != "fractional":  # the planner's one-call path for counted (int64) popularity, beside it
+            S = int(rng.integers(1, 5))
+            counts, layout = symi_counts_layout(pop.astype(np.int64), total, S)
+            np.testing.assert_array_equal(counts, got)
+            assert layout == symi_layout(got, S)
+    # counts near 2**53 (read as floats by the general path) and negative counts take the general path
+    big = np.array([2**53 - 1, 1, 5], dtype=np.int64)
+    np.testing.assert_array_equal(symi_counts_layout(big, 6, 2)[0], ref_counts(big.astype(np.float64), 6))
+    with pytest.raises(ValueError, match="counts >= 0"):
+        symi_counts_layout(np.array([3, -1], dtype=np.int64), 4, 2)
 
 
 @pytest.mark.parametrize("seed", range(8))
