@@ -1118,22 +1118,32 @@ def search_tau(qs, prob, work, thr, thr_fits):
 
 # ----------------------------------------------------------------------------- the kept-pair search
 @njit
-def keep_search(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep, bisect):
+def keep_search(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep, bisect, hi_known=-1, lo_known=-1,
+                lo_thr=-1, lo_thr_fits=False):
     """The kept-pair search of one demand piece with a built-in quota policy (``plan_lrmoe``'s
     keep_search): (n_keep, its quotas' threshold or -1, whether the candidate there is known to fit,
     quota status); n_keep -1 when even lo_keep does not fit. ``num / den``: the kept fraction of the
     drop ratio (hi_keep is its own n_keep). ``bisect=False`` stops after the first two probes, when
     only whether some count fits matters (a microbatch-split probe): n_keep is then hi_keep, -1, or
-    lo_keep < hi_keep for "lo_keep fits, the bisection between them not run"."""
+    lo_keep < hi_keep for "lo_keep fits, the bisection between them not run".
+
+    Probes already run for this piece are not run again: ``hi_known == 0`` says hi_keep does not
+    fit; ``lo_known == 1`` that lo_keep fits, with threshold ``lo_thr`` and ``lo_thr_fits`` (what
+    its probe returned); -1: not known."""
     d_E = d_GE.sum(0)
     work = workspace(prob)
-    # hi_keep first, the cost-optimal candidate first (it usually fits)
-    fit, thr, thr_fits, bad = _fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, hi_keep, False)
-    if bad != QUOTA_OK or fit:
-        return (hi_keep if fit else -1), thr, thr_fits, bad
-    fit, thr, thr_fits, bad = _fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, lo_keep, True)
-    if bad != QUOTA_OK or not fit:
-        return -1, -1, False, bad
+    if hi_known < 0:  # hi_keep first, the cost-optimal candidate first (it usually fits)
+        fit, thr, thr_fits, bad = _fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, hi_keep,
+                                             False)
+        if bad != QUOTA_OK or fit:
+            return (hi_keep if fit else -1), thr, thr_fits, bad
+    if lo_known == 1:
+        thr, thr_fits = lo_thr, lo_thr_fits
+    else:
+        fit, thr, thr_fits, bad = _fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, lo_keep,
+                                             True)
+        if bad != QUOTA_OK or not fit:
+            return -1, -1, False, bad
     if not bisect:
         return lo_keep, thr, thr_fits, QUOTA_OK
     slack = slack_units(prob[13], d_E.sum())
@@ -1208,16 +1218,21 @@ def piece_result(d_GE, prob, policy, min_keep, num, den, n_keep, hi_keep, thr, t
 
 
 @njit
-def plan_piece(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep):
+def plan_piece(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep, lo_known, lo_thr, lo_thr_fits):
     """The kept-pair search and the plan of one demand piece with a built-in quota policy, in one call:
     (n_keep or -1, quotas, quota status, :func:`quota_result`); with n_keep -1 the plan is hi_keep's.
+    ``lo_known == 1`` (with ``lo_thr``, ``lo_thr_fits``): a microbatch-split probe found hi_keep over
+    the budget and lo_keep fitting (:func:`keep_search`'s ``bisect=False``); -1: nothing known.
 
     The usual case first, without pressure: hi_keep's quotas, their cost-optimal candidate fits (the
-    kept-pair search's first probe), and that candidate is the plan (built once)."""
+    kept-pair search's first probe), and that candidate is the plan (built once). When it does not
+    fit, the rest of that probe (the candidate at the largest threshold) is run here, on the same
+    setup, and the search goes on below hi_keep without probing it again."""
     G, E = d_GE.shape
     d_E = d_GE.sum(0)
     P = d_E.sum()
-    if not over_memory_floor(prob, G, P, min(hi_keep, P)):
+    hi_known = 0 if lo_known == 1 else -1
+    if hi_known < 0 and not over_memory_floor(prob, G, P, min(hi_keep, P)):
         q_E = quota(d_E, hi_keep, policy, min_keep, num, den, True)
         bad = quota_status(d_E, q_E, min(hi_keep, P))
         if bad != QUOTA_OK:
@@ -1230,7 +1245,14 @@ def plan_piece(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep):
         if peak <= prob[10]:
             return hi_keep, q_E, QUOTA_OK, (thr, thr, expert_N, rank_N, _slots(expert_N, rank_N, G, E),
                                             np.ascontiguousarray(send.T), np.ascontiguousarray(quota_NG.T), mem, peak)
-    n_keep, thr, thr_fits, bad = keep_search(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep, True)
+        # search_fits(top_first=False) of this probe: the candidate at the largest threshold decides
+        if candidate_fits(qs[11], qs, prob, work) == 1:
+            return hi_keep, q_E, QUOTA_OK, quota_result(d_GE, q_E, prob, thr, False)
+        hi_known = 0
+    elif hi_known < 0:
+        hi_known = 0  # over the memory floor: hi_keep's probe answers no (_fits_keep)
+    n_keep, thr, thr_fits, bad = keep_search(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep, True,
+                                             hi_known, lo_known, lo_thr, lo_thr_fits)
     use = hi_keep if n_keep < 0 else n_keep
     q_E, bad2, result = piece_result(d_GE, prob, policy, min_keep, num, den, use, hi_keep,
                                      thr if n_keep >= 0 else -1, thr_fits and n_keep >= 0)

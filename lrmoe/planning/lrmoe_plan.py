@@ -402,7 +402,10 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
         hi_keep = retained_total(P, drop_ratio)
         key = d_GE.tobytes()
         if policy_args is not None and key not in kept:  # the search and the plan in one compiled call
-            n_keep, q_E, bad, raw = K.plan_piece(d_GE, prob, *policy_args, hi_keep, retained_total(P, max_drop_ratio))
+            # a split probe's answer for this piece (hi_keep over, lo_keep fits): not probed again
+            lo_known, lo_thr, lo_thr_fits = probed.get(key, (-1, -1, False))
+            n_keep, q_E, bad, raw = K.plan_piece(d_GE, prob, *policy_args, hi_keep, retained_total(P, max_drop_ratio),
+                                                 lo_known, lo_thr, lo_thr_fits)
             _raise_on_bad_quota(bad)
             kept[key] = (None if n_keep < 0 else n_keep, raw[1], False)
             n_keep = kept[key][0]
@@ -423,6 +426,7 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
                                                                           fallback="shrink_quota")
 
     feasible: dict[bytes, bool] = {}  # demand piece -> some kept-pair count fits (keep_search, bisect=False)
+    probed: dict[bytes, tuple] = {}  # piece -> (1, lo_keep's threshold, thr_fits): hi_keep over, lo_keep fits
 
     def fits(d_GE, row_cap):
         """Whether some kept-pair count fits d_GE: the microbatch-split search's probe. Only the piece
@@ -439,6 +443,8 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
             _raise_on_bad_quota(bad)
             if n_keep == hi_keep or n_keep < 0:  # the search's answer already: hi_keep fits, or none does
                 kept[key] = (None if n_keep < 0 else n_keep, thr, thr_fits)
+            else:  # lo_keep fits: build's bisection starts from these two probes
+                probed[key] = (1, thr, thr_fits)
             feasible[key] = n_keep >= 0
         return feasible[key]
 
