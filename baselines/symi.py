@@ -220,9 +220,11 @@ def symi_layout(slot_counts_E, slots_per_rank: int) -> Instances:
 
 
 @njit
-def route_kernel(d_GE, expert_N, counts_E, cap):
+def route_kernel(d_GE, expert_N, counts_E, capacity_factor, row_cap):
     """Each expert's pairs split evenly over its (contiguous) slots, the first d_e mod c_e taking
-    one more, routed by ordinal prefix; then at most ``cap`` rows per slot (< 0: no cap)."""
+    one more, routed by ordinal prefix; then at most ``cap`` rows per slot, cap the smaller of
+    ``ceil(capacity_factor * pairs / slots)`` and ``row_cap`` (each < 0: none). Returns (send, the
+    capacity rows or -1)."""
     G, E = d_GE.shape
     N = expert_N.size
     quota_N = np.empty(N, np.int64)
@@ -230,14 +232,20 @@ def route_kernel(d_GE, expert_N, counts_E, cap):
     for g in range(G):
         for e in range(E):
             d_E[e] += d_GE[g, e]
+    P = 0
     n = 0
     for e in range(E):
         d = d_E[e]
+        P += d
         c = counts_E[e]
         base, extra = d // c, d % c
         for j in range(c):
             quota_N[n] = base + (j < extra)
             n += 1
+    capacity = -1
+    if capacity_factor >= 0:  # as plan_symi's Python did: ceil(cf * P / slots) in float64
+        capacity = np.int64(math.ceil(capacity_factor * float(P) / float(N)))
+    cap = capacity if row_cap < 0 else (row_cap if capacity < 0 else min(capacity, row_cap))
     send, lo_N, hi_N = prefix_split_ranges(d_GE, expert_N, quota_N)
     if cap >= 0:  # a slot receives its quota: those over the cap are trimmed
         idx = np.empty(G, np.int64)
@@ -248,7 +256,7 @@ def route_kernel(d_GE, expert_N, counts_E, cap):
         for n in range(N):
             if quota_N[n] > cap:
                 cap_column(send, n, lo_N[n], hi_N[n], cap, idx, val, out, key, sel)
-    return send
+    return send, capacity
 
 
 def plan_symi(demand_GE, cluster, dims, budget_bytes, *, state: SymiState | None = None,
@@ -269,10 +277,11 @@ def plan_symi(demand_GE, cluster, dims, budget_bytes, *, state: SymiState | None
     mode = "dropless" if capacity_factor is None else f"capacity_factor={capacity_factor}"
     consts = memory_constants(dims, False)
 
+    cf = -1.0 if capacity_factor is None else float(capacity_factor)
+
     def route(d_GE, row_cap):
-        cap = None if capacity_factor is None else math.ceil(capacity_factor * int(d_GE.sum()) / (G * S))
-        caps = [c for c in (cap, row_cap) if c is not None]
-        return route_kernel(d_GE, expert_N, counts, min(caps) if caps else -1), cap
+        send, cap = route_kernel(d_GE, expert_N, counts, cf, -1 if row_cap is None else int(row_cap))
+        return send, (None if cap < 0 else cap)
 
     def build(d_GE, row_cap):
         send, cap = route(d_GE, row_cap)
