@@ -1043,12 +1043,64 @@ def candidate(tau, qs, prob, work, n):
 
 @njit
 def candidate_fits(tau, qs, prob, work):
-    """1 when the candidate at tau fits the budget, 0 when it does not, -1 when the greedy fails."""
+    """1 when the candidate at tau fits the budget, 0 when it does not, -1 when the greedy fails.
+
+    The candidate's backward quotas per (instance, source) are needed only where bounds on its
+    peak do not decide (:func:`peak_bounds`); else the verdict comes without them."""
     n = greedy(tau, qs, prob, work)
     if n < 0:
         return -1
-    peak = candidate(tau, qs, prob, work, n)[5]
-    return 1 if peak <= prob[10] else 0
+    q_E, d_E, d_EG, pairs_G = qs[1], qs[2], qs[15], qs[16]
+    E, G = d_EG.shape
+    expert_N, rank_N, rows_N = replica_columns(work[0], n, d_E, prob[0])
+    send = locality_split(d_EG, expert_N, rank_N, rows_N)
+    kept_N = instance_quotas(q_E, rows_N, expert_N, rank_N, G, prob[11], float(tau))
+    low, high = peak_bounds(prob, G, E, rank_N, send, kept_N, pairs_G)
+    budget = prob[10]
+    if high <= budget:
+        return 1
+    if low > budget:
+        return 0
+    mem = plan_memory(prob, G, E, rank_N, send, quota_matrix(kept_N, send), pairs_G)
+    peak = 0
+    for r in range(G):
+        peak = max(peak, mem[0][r] + mem[1][r] + mem[2][r] + mem[3][r] + mem[4][r])
+    return 1 if peak <= budget else 0
+
+
+@njit
+def peak_bounds(prob, G, E, rank_N, send, kept_N, pairs_G):
+    """Bounds (low, high) on :func:`plan_memory`'s peak of a candidate, from its send [N, G] and kept
+    rows per instance, without the backward quotas per (instance, source): every term is exact
+    but the kept rows each source sends, sum_c quota[c, s], whose every entry (a largest-remainder
+    split of kept_N[c] over the sources by send) is the floor or the ceiling of its share
+    kept_N[c] send[c, s] / rows_c; the sum is within the shares' sum +- the count of nonzero
+    entries, widened by 1 for the float sum (whose error is far below 1)."""
+    N = rank_N.size
+    fixed = np.zeros(G, dtype=np.int64)
+    sent = np.zeros(G, dtype=np.int64)
+    share = np.zeros(G)
+    nonzero = np.zeros(G, dtype=np.int64)
+    for c in range(N):
+        r = rank_N[c]
+        rows = 0
+        for s in range(G):
+            rows += send[c, s]
+            sent[s] += send[c, s]
+        fixed[r] += (prob[5] if c < E else int(prob[4])) + prob[7] * rows + prob[9] * kept_N[c]
+        if kept_N[c] > 0:
+            f = kept_N[c] / rows
+            for s in range(G):
+                share[s] += f * send[c, s]
+                nonzero[s] += send[c, s] > 0
+    low, high = 0, 0
+    for s in range(G):
+        lo = max(math.ceil(share[s]) - nonzero[s] - 1, 0)
+        hi = min(math.floor(share[s]) + nonzero[s] + 1, sent[s])
+        base = fixed[s] + prob[6] * sent[s] + prob[8] * pairs_G[s]
+        low = max(low, base + prob[6] * lo)
+        high = max(high, base + prob[6] * hi)
+    return low, high
 
 
 @njit
@@ -1073,17 +1125,18 @@ def search_fits(qs, prob, work, top_first, thr):
         return True, threshold(qs, prob, work) if thr < 0 else thr, True
     if qs[12]:
         return False, thr, False
+    # the candidate at a threshold is a function of it: at thr == top one evaluation answers both
     if not top_first:
         thr = threshold(qs, prob, work) if thr < 0 else thr
         if candidate_fits(thr, qs, prob, work) == 1:
             return True, thr, True
-        if candidate_fits(qs[11], qs, prob, work) == 1:
+        if thr != qs[11] and candidate_fits(qs[11], qs, prob, work) == 1:
             return True, thr, False
         return False, thr, False
     if candidate_fits(qs[11], qs, prob, work) == 1:
         return True, thr, False
     thr = threshold(qs, prob, work) if thr < 0 else thr
-    fit = candidate_fits(thr, qs, prob, work) == 1
+    fit = thr != qs[11] and candidate_fits(thr, qs, prob, work) == 1
     return fit, thr, fit
 
 
@@ -1246,7 +1299,7 @@ def plan_piece(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep, lo_know
             return hi_keep, q_E, QUOTA_OK, (thr, thr, expert_N, rank_N, _slots(expert_N, rank_N, G, E),
                                             np.ascontiguousarray(send.T), np.ascontiguousarray(quota_NG.T), mem, peak)
         # search_fits(top_first=False) of this probe: the candidate at the largest threshold decides
-        if candidate_fits(qs[11], qs, prob, work) == 1:
+        if thr != qs[11] and candidate_fits(qs[11], qs, prob, work) == 1:
             return hi_keep, q_E, QUOTA_OK, quota_result(d_GE, q_E, prob, thr, False)
         hi_known = 0
     elif hi_known < 0:

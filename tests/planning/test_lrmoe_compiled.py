@@ -296,6 +296,47 @@ def test_greedy_at_thresholds_with_one_rank_and_no_slots():
             assert L._greedy(tau, *s.args, context=s.context) == R._greedy(tau, *s.args)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_peak_bounds_bracket_the_candidate_peak(kind):
+    """candidate_fits decides from bounds on a candidate's peak where they decide: the bounds hold
+    the exact peak (low <= peak <= high) at every threshold and kept-pair count, and the verdict
+    equals the full candidate's at budgets around the peak."""
+    rng = np.random.default_rng(list(KINDS).index(kind) + 960)
+    decided = 0
+    for i in range(12):
+        cl, dims, d = case(rng, kind)
+        G, E = d.shape
+        R_max = cl.slots_per_rank - E // G
+        for n_keep in {0, d.sum() // 3, d.sum()}:
+            q = K.quota(d.sum(0), int(n_keep), K.WATERFILL, 0, 4, 5, False)
+            prob = L._planner_problem(cl, dims, math.inf, int(rng.integers(0, R_max + 1)), 2.0, 1, 0.0)
+            qs = K.search_setup(d, q, prob)
+            work = K.workspace(prob)
+            for tau in sorted({qs[10], qs[11], (qs[10] + qs[11]) // 2}):
+                n = K.greedy(tau, qs, prob, work)
+                if n < 0:
+                    continue
+                expert_N, rank_N, send, quota, mem, peak = K.candidate(tau, qs, prob, work, n)
+                kept_N = quota.sum(1)
+                low, high = K.peak_bounds(prob, G, E, rank_N, send, kept_N, qs[16])
+                assert low <= peak <= high, (kind, i, tau, low, peak, high)
+                for budget in (peak - 1, peak, (low + high) / 2, high, low - 1):
+                    if budget <= 0:
+                        continue
+                    # the greedy's memory pass reads the budget: the candidate at this budget is its own
+                    bp = prob[:10] + (float(budget),) + prob[11:]
+                    qb = K.search_setup(d, q, bp)
+                    nb = K.greedy(tau, qb, bp, K.workspace(bp))
+                    if nb < 0:
+                        continue
+                    _, rank_b, send_b, quota_b, _, peak_b = K.candidate(tau, qb, bp, K.workspace(bp), nb)
+                    low_b, high_b = K.peak_bounds(bp, G, E, rank_b, send_b, quota_b.sum(1), qb[16])
+                    assert low_b <= peak_b <= high_b
+                    assert K.candidate_fits(tau, qb, bp, K.workspace(bp)) == (1 if peak_b <= budget else 0)
+                    decided += budget >= high_b or budget < low_b
+    assert decided > 20
+
+
 @pytest.mark.parametrize("name", ("fixed", "symi", "ultraep", "ultraep_greedy"))
 def test_compiled_selection_quotas_equal_the_plain_loop(name):
     """Baseline plans' selective-backward quotas: the compiled split against its plain loop."""
