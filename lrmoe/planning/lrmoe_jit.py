@@ -1104,9 +1104,45 @@ def peak_bounds(prob, G, E, rank_N, send, kept_N, pairs_G):
 
 
 @njit
+def domain_floor(cost_G, others_ptr, others_idx):
+    """A threshold every rank cannot get under: the largest mean cost of a fast domain. The greedy
+    moves cost only between the ranks of one domain (a rank and its in-domain receivers), so below
+    a domain's mean some rank of it stays over the threshold. When the receivers do not partition
+    the ranks into domains, the mean over all ranks (the global bound)."""
+    G = cost_G.size
+    total = 0.0
+    for r in range(G):
+        total += cost_G[r]
+    best = total / max(G, 1)
+    for r in range(G):  # a partition: every receiver u of r has r's domain (same size, r among its receivers)
+        deg = others_ptr[r + 1] - others_ptr[r]
+        for j in range(others_ptr[r], others_ptr[r + 1]):
+            u = others_idx[j]
+            if others_ptr[u + 1] - others_ptr[u] != deg:
+                return best
+            found = False
+            for jj in range(others_ptr[u], others_ptr[u + 1]):
+                found = found or others_idx[jj] == r
+            if not found:
+                return best
+    for r in range(G):
+        s = cost_G[r]
+        for j in range(others_ptr[r], others_ptr[r + 1]):
+            s += cost_G[others_idx[j]]
+        best = max(best, s / (others_ptr[r + 1] - others_ptr[r] + 1))
+    return best
+
+
+@njit
 def threshold(qs, prob, work):
-    """The smallest integer threshold the greedy meets (``_QuotaSearch.threshold``)."""
+    """The smallest integer threshold the greedy meets (``_QuotaSearch.threshold``): the bisection over
+    [lo, top] (top is always met: no replica needed), to a bracket of ``slack`` units."""
     lo, hi, slack = qs[10], qs[11], qs[13]
+    return _bisect_threshold(lo, hi, slack, qs, prob, work)
+
+
+@njit
+def _bisect_threshold(lo, hi, slack, qs, prob, work):
     while hi - lo >= slack:
         mid = (lo + hi) // 2
         if greedy(mid, qs, prob, work) >= 0:
@@ -1114,6 +1150,31 @@ def threshold(qs, prob, work):
         else:
             lo = mid + 1
     return hi
+
+
+@njit
+def threshold_from_floor(qs, prob, work):
+    """A threshold the greedy meets, searched from below: every threshold up to the domain floor
+    minus 1 fails (:func:`domain_floor` proves it), then steps 1, 2, 4, ... up from there until the
+    greedy meets one, then the bisection of that bracket. A few passes where :func:`threshold`
+    takes log2(top - lo) (the answer sits within a few units of the floor wherever the replicas can
+    balance the ranks), and the same threshold wherever the greedy's feasibility grows with the
+    threshold. It does not everywhere: at the paper's scale the greedy can meet a threshold, miss
+    the next few hundred and meet again, and either search can land on either side (the tests
+    measure it). Used only where its plan is kept when it fits (:func:`plan_piece`); with a
+    tolerance (slack > 1), :func:`threshold`."""
+    lo, hi, slack = qs[10], qs[11], qs[13]
+    if slack == 1 and hi > lo:
+        # every threshold <= bad fails: below the domain floor by a unit (the float means' rounding)
+        bad = min(max(math.floor(domain_floor(qs[5], prob[1], prob[2])) - 1, lo - 1), hi - 1)
+        step = 1
+        while True:
+            good = min(bad + step, hi)
+            if good == hi or greedy(good, qs, prob, work) >= 0:
+                break  # top is always met: never run there, as in the bisection
+            bad, step = good, 2 * step
+        lo, hi = bad + 1, good
+    return _bisect_threshold(lo, hi, slack, qs, prob, work)
 
 
 @njit
@@ -1278,9 +1339,12 @@ def plan_piece(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep, lo_know
     the budget and lo_keep fitting (:func:`keep_search`'s ``bisect=False``); -1: nothing known.
 
     The usual case first, without pressure: hi_keep's quotas, their cost-optimal candidate fits (the
-    kept-pair search's first probe), and that candidate is the plan (built once). When it does not
-    fit, the rest of that probe (the candidate at the largest threshold) is run here, on the same
-    setup, and the search goes on below hi_keep without probing it again."""
+    kept-pair search's first probe), and that candidate is the plan (built once); its threshold is
+    searched from the domain floor (:func:`threshold_from_floor`: a few greedy passes, not ~20).
+    When it does not fit, the rest of that probe is the reference's (the candidate at the
+    bisection's threshold, then at the largest one), run here on the same setup, and the search
+    goes on below hi_keep without probing it again: a plan keeps hi_keep pairs whenever the
+    reference's does, and under pressure keeps the reference's count."""
     G, E = d_GE.shape
     d_E = d_GE.sum(0)
     P = d_E.sum()
@@ -1292,13 +1356,17 @@ def plan_piece(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep, lo_know
             return -1, q_E, bad, _empty_result(G, E)
         qs = search_setup(d_GE, q_E, prob)
         work = workspace(prob)
-        thr = threshold(qs, prob, work)
+        thr = threshold_from_floor(qs, prob, work)
         n = greedy(thr, qs, prob, work)
         expert_N, rank_N, send, quota_NG, mem, peak = candidate(thr, qs, prob, work, n)
         if peak <= prob[10]:
             return hi_keep, q_E, QUOTA_OK, (thr, thr, expert_N, rank_N, _slots(expert_N, rank_N, G, E),
                                             np.ascontiguousarray(send.T), np.ascontiguousarray(quota_NG.T), mem, peak)
-        # search_fits(top_first=False) of this probe: the candidate at the largest threshold decides
+        # not kept: the rest is the reference's search (search_fits(top_first=False) of this probe, from
+        # the bisection's threshold), so under pressure the kept pairs are the reference's
+        thr_from_floor, thr = thr, threshold(qs, prob, work)
+        if thr != thr_from_floor and candidate_fits(thr, qs, prob, work) == 1:
+            return hi_keep, q_E, QUOTA_OK, quota_result(d_GE, q_E, prob, thr, True)
         if thr != qs[11] and candidate_fits(qs[11], qs, prob, work) == 1:
             return hi_keep, q_E, QUOTA_OK, quota_result(d_GE, q_E, prob, thr, False)
         hi_known = 0

@@ -37,7 +37,13 @@ Under memory pressure quotas shrink (``fallback == "shrink_quota"``, bisection o
 microbatch split (``split_microbatch:N``) or, with ``fallback="oom"``, an out-of-memory reported.
 
 Exact or approximate searches. By default (``search_tolerance = 0``) every bisection runs to one
-unit: the plans are those of the frozen reference (:mod:`lrmoe.planning.reference`). With
+unit: the plans are those of the frozen reference (:mod:`lrmoe.planning.reference`), but for one
+search. The requested quotas' threshold is searched from below, from a floor no plan can beat
+(:func:`lrmoe.planning.lrmoe_jit.threshold_from_floor`: 3-5 greedy passes, not ~20), and its plan
+is kept when it fits the budget; it is the reference's threshold wherever the greedy's feasibility
+grows with the threshold, elsewhere another one the greedy meets (one plan of the tests' 2,000
+random ones, 5 % faster there; docs/benchmarks.md counts the benchmark's). When that plan does
+not fit, the reference's searches run, so under pressure the kept pairs are the reference's. With
 ``search_tolerance = t > 0`` each bisection stops once its bracket is narrower than
 ``max(1, floor(t * scale))`` units, the scale being the routed pairs P for the kept-pair search and
 the ranks' mean cost for the threshold searches; the plan returned is the bracket's feasible end

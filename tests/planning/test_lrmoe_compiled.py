@@ -296,6 +296,47 @@ def test_greedy_at_thresholds_with_one_rank_and_no_slots():
             assert L._greedy(tau, *s.args, context=s.context) == R._greedy(tau, *s.args)
 
 
+def bisection(qs, prob, work):
+    """The reference's threshold search (lrmoe_jit.threshold): bisection over [lo, top] (top is met)."""
+    lo, hi = qs[10], qs[11]
+    while hi > lo:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if K.greedy(mid, qs, prob, work) >= 0 else (mid + 1, hi)
+    return hi
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_threshold_search_from_the_domain_floor(kind):
+    """The threshold search from below (lrmoe_jit.threshold_from_floor): every threshold at or below the domain floor minus 1 fails (the
+    floor is a proof, checked here by running the greedy there), the threshold found is met and the
+    one below it is not (or it is lo), and it is the bisection's wherever the greedy's feasibility
+    grows with the threshold over [lo, top] (every threshold of the range run when it is short)."""
+    rng = np.random.default_rng(list(KINDS).index(kind) + 980)
+    compared = 0
+    for i in range(30):
+        cl, dims, d = case(rng, kind)
+        G, E = d.shape
+        R_max = cl.slots_per_rank - E // G
+        q = K.quota(d.sum(0), int(d.sum() * 4 // 5), K.WATERFILL, 0, 4, 5, False)
+        budget = math.inf if i % 2 else 1e12
+        prob = L._planner_problem(cl, dims, budget, int(rng.integers(0, R_max + 1)), 2.0, int(rng.choice([1, 5])), 0.0)
+        qs = K.search_setup(d, q, prob)
+        work = K.workspace(prob)
+        lo, top = qs[10], qs[11]
+        thr = K.threshold_from_floor(qs, prob, work)
+        assert lo <= thr <= top and K.greedy(thr, qs, prob, work) >= 0
+        assert thr == lo or K.greedy(thr - 1, qs, prob, work) < 0
+        floor = math.floor(K.domain_floor(qs[5], prob[1], prob[2])) - 1
+        for tau in range(max(lo, floor - 40), min(floor, top - 1) + 1):
+            assert K.greedy(tau, qs, prob, work) < 0, (tau, floor)
+        if top - lo <= 3000:
+            met = [K.greedy(t, qs, prob, work) >= 0 for t in range(lo, top)] + [True]
+            if all(met[met.index(True):]):  # monotone: both searches find the first threshold met
+                assert thr == bisection(qs, prob, work) == K.threshold(qs, prob, work) == lo + met.index(True)
+                compared += 1
+    assert compared >= 10
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_peak_bounds_bracket_the_candidate_peak(kind):
     """candidate_fits decides from bounds on a candidate's peak where they decide: the bounds hold

@@ -282,11 +282,17 @@ def test_a_thousand_random_small_cases_keep_the_reference_quality(chunk):
     rank, skewed, empty or one hot expert, budgets from none to below the unbudgeted peak), every
     policy: every routed pair is sent to exactly one instance or counted dropped (Plan.check), the
     dropless ones drop none, the plan is within the budget wherever the reference's is, and its
-    objective (slowest rank's forward + 2 x kept rows; kept pairs) equals the reference's. Today the
-    plans are the reference's, so equal is the only outcome; a faster planner that changes plans must
-    keep this test and say here which plan is better and by how much."""
+    objective (slowest rank's forward + 2 x kept rows; kept pairs) equals the reference's.
+
+    The baselines' plans are the reference's. LRMoE's exact threshold search starts from the
+    domain floor (lrmoe_jit.threshold) where the reference bisects [lo, top]: the two agree wherever
+    the greedy's feasibility grows with the threshold, and differ where it does not. Issue 29's rule
+    holds it: on the order (fits the budget, then more kept pairs, then a faster slowest rank) a
+    plan is never worse than the reference's, and at most 1 % of them differ. Of these 2,000 LRMoE
+    plans one differs (chunk 8, case 11: G 8, E 16, no budget; slowest rank 397 against 419 rows,
+    5 % faster: the search from below meets a threshold the bisection steps over)."""
     rng = np.random.default_rng(10_000 + chunk)
-    fallbacks = []
+    fallbacks, differ = [], []
     for case in range(100):
         G = int(rng.choice((1, 2, 4, 8)))
         epr = int(rng.integers(1, 4))
@@ -305,13 +311,26 @@ def test_a_thousand_random_small_cases_keep_the_reference_quality(chunk):
                 assert p.dropped_GE.sum() == 0, where
             if r.memory.peak <= budget and p.num_splits == 1:
                 assert p.memory.peak <= budget, where
+            fallbacks.append((name, p.fallback))
+            if name == "lrmoe" and objective(p, budget) != objective(r, budget):
+                assert objective(p, budget) < objective(r, budget), f"{where}: worse than the reference"
+                differ.append(where)
+                continue
             assert p.num_splits == r.num_splits and p.over_budget == r.over_budget, where
             assert p.cost_G(2.0).max(initial=0.0) == r.cost_G(2.0).max(initial=0.0), where
             assert p.backward_quota_GN.sum() == r.backward_quota_GN.sum(), where
-            fallbacks.append((name, p.fallback))
     # the sample holds pressured plans, not only easy ones: quotas shrunk, microbatches split
     assert sum(f == "shrink_quota" for n, f in fallbacks if n == "lrmoe") >= 5
     assert sum(f is not None and f.startswith("split") for n, f in fallbacks) >= 10
+    assert len(differ) <= 2, differ  # 1 % of the chunk's 200 LRMoE plans
+    print(differ)
+
+
+def objective(plan, budget) -> tuple:
+    """Issue 29's order, smaller is better: over the budget (a split plan's peak is a microbatch's),
+    fewer kept pairs (every microbatch's), then the slowest rank's forward + 2 x kept rows."""
+    return (not plan.memory.peak <= budget, -int(plan.backward_quota_GN.sum()) * plan.num_splits,
+            float(plan.cost_G(2.0).max(initial=0.0)))
 
 
 @pytest.mark.parametrize("seed", range(12))
