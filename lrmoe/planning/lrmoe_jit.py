@@ -801,6 +801,31 @@ def dinic_flow(ptr, heads, caps_in, rev, source, sink):
 
 
 @njit
+def _by_expert(expert_N, E):
+    """The instances grouped by expert, in array order within one (``np.argsort(expert_N, kind="mergesort")``),
+    without a sort for the candidates' layout: owner e at column e, the replicas after the owners
+    sorted by expert (:func:`replica_columns`)."""
+    N = expert_N.size
+    ordered = N >= E
+    for c in range(min(E, N)):
+        ordered = ordered and expert_N[c] == c
+    for c in range(E + 1, N):
+        ordered = ordered and expert_N[c - 1] <= expert_N[c]
+    if not ordered:
+        return np.argsort(expert_N, kind="mergesort")
+    cols = np.empty(N, dtype=np.int64)
+    j, k = E, 0
+    for e in range(E):
+        cols[k] = e
+        k += 1
+        while j < N and expert_N[j] == e:
+            cols[k] = j
+            k += 1
+            j += 1
+    return cols
+
+
+@njit
 def instance_quotas(q_E, rows_N, expert_N, rank_N, G, bw, tau):
     """``lrmoe_plan._instance_quotas_flat``: every instance's kept rows (within 1 of its exact share,
     largest remainder unless that pushes a rank's executed cost over tau; then the rounding with the
@@ -829,18 +854,21 @@ def instance_quotas(q_E, rows_N, expert_N, rank_N, G, bw, tau):
         if d_E[e] > 0:
             total_units += units_E[e]
     start = 0
-    cols = np.argsort(expert_N, kind="mergesort")
+    cols = _by_expert(expert_N, E)
+    sub = np.empty(N, dtype=np.int64)
+    add = np.empty(N, dtype=np.int64)
+    buf = np.empty(N, dtype=np.int64)
     while start < N:
         e = expert_N[cols[start]]
         stop = start
         while stop < N and expert_N[cols[stop]] == e:
             stop += 1
         if d_E[e] > 0 and units_E[e] > 0:
-            sub = np.empty(stop - start, dtype=np.int64)
+            m = stop - start
             for k in range(start, stop):
                 sub[k - start] = rems[cols[k]]
-            add = np.zeros(stop - start, dtype=np.int64)
-            _add_top(add, sub, units_E[e])
+                add[k - start] = 0
+            _add_top_buf(add[:m], sub[:m], units_E[e], buf[:m])
             for k in range(start, stop):
                 exact[cols[k]] += add[k - start]
         start = stop

@@ -296,6 +296,19 @@ def test_greedy_at_thresholds_with_one_rank_and_no_slots():
             assert L._greedy(tau, *s.args, context=s.context) == R._greedy(tau, *s.args)
 
 
+def test_instances_by_expert_equal_a_stable_argsort():
+    """instance_quotas' grouping: the candidates' layout (owners, then replicas sorted by expert)
+    without a sort, any other layout by the sort; both equal np.argsort(kind="stable")."""
+    rng = np.random.default_rng(990)
+    for _ in range(300):
+        E = int(rng.integers(1, 12))
+        reps = np.sort(rng.integers(0, E, int(rng.integers(0, 3 * E))))
+        candidate_layout = np.r_[np.arange(E), reps].astype(np.int64)
+        shuffled = rng.permutation(candidate_layout).astype(np.int64)
+        for expert_N in (candidate_layout, shuffled, candidate_layout[: int(rng.integers(0, E + 1))]):
+            np.testing.assert_array_equal(K._by_expert(expert_N, E), np.argsort(expert_N, kind="stable"))
+
+
 def bisection(qs, prob, work):
     """The reference's threshold search (lrmoe_jit.threshold): bisection over [lo, top] (top is met)."""
     lo, hi = qs[10], qs[11]
