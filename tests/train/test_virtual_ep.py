@@ -62,9 +62,12 @@ TRAIN_RUNS = {  # the runs named in EVALUATED also evaluate after their last ste
     "lrmoe-c20-split": dict(placement="lrmoe", drop_ratio=0.2, ep_budget_mib=0.7),  # 2 pieces per call
     "lrmoe-c20-gelu": dict(placement="lrmoe", drop_ratio=0.2, model_overrides={"hidden_act": "gelu"}),
 }
-# gradient atol, relative to the gradient's largest entry (default 1e-5): the float32 differences of
-# the GELU run reach 5.6e-5 of it (the SiLU runs' 0.1-1.7e-5; its losses agree to 1e-6)
-GRAD_ATOL = {"lrmoe-c20-gelu": 1e-4}
+# gradient atol, relative to the gradient's largest entry: float32 reduction order differs between
+# the torchrun processes and the virtual ranks. On 2 AMD EPYC cores the SiLU runs differed by
+# 0.1-1.7e-5 of it and the GELU run by 5.6e-5; on 2 Intel Xeon cores (2026-12-05) every run's step 2
+# by up to 2.0e-5 (fixed C0 included: not a planner's doing; the plans, losses and grad norms agree)
+GRAD_ATOL = {}
+GRAD_ATOL_DEFAULT = 1e-4
 EVALUATED = ("symi-c20", "lrmoe-c20-split")  # evaluation plans too: SYMI drops pairs there
 
 
@@ -319,8 +322,8 @@ def test_training_matches_torchrun(both, run):
         for n in ga:
             assert gv[n].shape == ga[n].shape, n
             scale = float(ga[n].abs().max())
-            torch.testing.assert_close(gv[n], ga[n], rtol=1e-3, atol=GRAD_ATOL.get(run, 1e-5) * max(scale, 1e-12),
-                                       msg=f"{run} step {step} {n}")
+            torch.testing.assert_close(gv[n], ga[n], rtol=1e-3, atol=GRAD_ATOL.get(run, GRAD_ATOL_DEFAULT) * max(scale, 1e-12),
+                                       msg=f"{run} step {step} {n}: max abs diff {float((gv[n] - ga[n]).abs().max()):.3g}, scale {scale:.3g}")
             worst = max(worst, _max_rel(gv[n], ga[n]))
         assert "moe_plan_s" in va and va["moe_plan_s"] > 0
     if run in EVALUATED:
