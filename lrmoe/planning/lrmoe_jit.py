@@ -1056,17 +1056,30 @@ def plan_memory(prob, G, E, rank_N, send, quota, pairs_G):
 def candidate(tau, qs, prob, work, n):
     """``lrmoe_plan._candidate`` of the greedy's replicas ``work[0][:n]`` at tau: (expert_N, rank_N,
     send [N, G], quota [N, G] (transposed), memory tuple, peak)."""
-    q_E, d_E, d_EG, pairs_G = qs[1], qs[2], qs[15], qs[16]
-    E, G = d_EG.shape
+    expert_N, rank_N, send, kept_N = _layout_kept(tau, qs, prob, work, n)
+    quota = quota_matrix(kept_N, send)
+    mem = plan_memory(prob, send.shape[1], qs[2].size, rank_N, send, quota, qs[16])
+    return expert_N, rank_N, send, quota, mem, _peak(mem)
+
+
+@njit
+def _layout_kept(tau, qs, prob, work, n):
+    """A candidate's instances, send [N, G] and kept rows per instance (what :func:`candidate` and
+    :func:`candidate_fits` share)."""
+    q_E, d_E, d_EG = qs[1], qs[2], qs[15]
     expert_N, rank_N, rows_N = replica_columns(work[0], n, d_E, prob[0])
     send = locality_split(d_EG, expert_N, rank_N, rows_N)
-    kept_N = instance_quotas(q_E, rows_N, expert_N, rank_N, G, prob[11], float(tau))
-    quota = quota_matrix(kept_N, send)
-    mem = plan_memory(prob, G, E, rank_N, send, quota, pairs_G)
+    kept_N = instance_quotas(q_E, rows_N, expert_N, rank_N, d_EG.shape[1], prob[11], float(tau))
+    return expert_N, rank_N, send, kept_N
+
+
+@njit
+def _peak(mem):
+    """The largest rank total of :func:`plan_memory`'s five terms."""
     peak = 0
-    for r in range(G):
+    for r in range(mem[0].size):
         peak = max(peak, mem[0][r] + mem[1][r] + mem[2][r] + mem[3][r] + mem[4][r])
-    return expert_N, rank_N, send, quota, mem, peak
+    return peak
 
 
 @njit
@@ -1078,22 +1091,14 @@ def candidate_fits(tau, qs, prob, work):
     n = greedy(tau, qs, prob, work)
     if n < 0:
         return -1
-    q_E, d_E, d_EG, pairs_G = qs[1], qs[2], qs[15], qs[16]
-    E, G = d_EG.shape
-    expert_N, rank_N, rows_N = replica_columns(work[0], n, d_E, prob[0])
-    send = locality_split(d_EG, expert_N, rank_N, rows_N)
-    kept_N = instance_quotas(q_E, rows_N, expert_N, rank_N, G, prob[11], float(tau))
+    E, G, pairs_G, budget = qs[2].size, qs[15].shape[1], qs[16], prob[10]
+    _, rank_N, send, kept_N = _layout_kept(tau, qs, prob, work, n)
     low, high = peak_bounds(prob, G, E, rank_N, send, kept_N, pairs_G)
-    budget = prob[10]
     if high <= budget:
         return 1
     if low > budget:
         return 0
-    mem = plan_memory(prob, G, E, rank_N, send, quota_matrix(kept_N, send), pairs_G)
-    peak = 0
-    for r in range(G):
-        peak = max(peak, mem[0][r] + mem[1][r] + mem[2][r] + mem[3][r] + mem[4][r])
-    return 1 if peak <= budget else 0
+    return 1 if _peak(plan_memory(prob, G, E, rank_N, send, quota_matrix(kept_N, send), pairs_G)) <= budget else 0
 
 
 @njit
@@ -1148,10 +1153,7 @@ def domain_floor(cost_G, others_ptr, others_idx):
             u = others_idx[j]
             if others_ptr[u + 1] - others_ptr[u] != deg:
                 return best
-            found = False
-            for jj in range(others_ptr[u], others_ptr[u + 1]):
-                found = found or others_idx[jj] == r
-            if not found:
+            if r not in others_idx[others_ptr[u]:others_ptr[u + 1]]:
                 return best
     for r in range(G):
         s = cost_G[r]

@@ -318,23 +318,28 @@ def bisection(qs, prob, work):
     return hi
 
 
+def search_case(rng, cl, dims, d, n_keep, budget, min_rows=1):
+    """(qs, prob, work) of one quota search: waterfill quotas of n_keep pairs, random replica slots."""
+    G, E = d.shape
+    q = K.quota(d.sum(0), int(n_keep), K.WATERFILL, 0, 4, 5, False)
+    R = int(rng.integers(0, cl.slots_per_rank - E // G + 1))
+    prob = L._planner_problem(cl, dims, budget, R, 2.0, min_rows, 0.0)
+    return K.search_setup(d, q, prob), prob, K.workspace(prob)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_threshold_search_from_the_domain_floor(kind):
-    """The threshold search from below (lrmoe_jit.threshold_from_floor): every threshold at or below the domain floor minus 1 fails (the
-    floor is a proof, checked here by running the greedy there), the threshold found is met and the
-    one below it is not (or it is lo), and it is the bisection's wherever the greedy's feasibility
-    grows with the threshold over [lo, top] (every threshold of the range run when it is short)."""
+    """The threshold search from below (lrmoe_jit.threshold_from_floor): every threshold at or below
+    the domain floor minus 1 fails (the floor is a proof, checked here by running the greedy there),
+    the threshold found is met and the one below it is not (or it is lo), and it is the bisection's
+    wherever the greedy's feasibility grows with the threshold over [lo, top] (every threshold of
+    the range run when it is short)."""
     rng = np.random.default_rng(list(KINDS).index(kind) + 980)
     compared = 0
     for i in range(30):
         cl, dims, d = case(rng, kind)
-        G, E = d.shape
-        R_max = cl.slots_per_rank - E // G
-        q = K.quota(d.sum(0), int(d.sum() * 4 // 5), K.WATERFILL, 0, 4, 5, False)
-        budget = math.inf if i % 2 else 1e12
-        prob = L._planner_problem(cl, dims, budget, int(rng.integers(0, R_max + 1)), 2.0, int(rng.choice([1, 5])), 0.0)
-        qs = K.search_setup(d, q, prob)
-        work = K.workspace(prob)
+        qs, prob, work = search_case(rng, cl, dims, d, d.sum() * 4 // 5, math.inf if i % 2 else 1e12,
+                                     min_rows=int(rng.choice([1, 5])))
         lo, top = qs[10], qs[11]
         thr = K.threshold_from_floor(qs, prob, work)
         assert lo <= thr <= top and K.greedy(thr, qs, prob, work) >= 0
@@ -360,12 +365,9 @@ def test_peak_bounds_bracket_the_candidate_peak(kind):
     for i in range(12):
         cl, dims, d = case(rng, kind)
         G, E = d.shape
-        R_max = cl.slots_per_rank - E // G
         for n_keep in {0, d.sum() // 3, d.sum()}:
             q = K.quota(d.sum(0), int(n_keep), K.WATERFILL, 0, 4, 5, False)
-            prob = L._planner_problem(cl, dims, math.inf, int(rng.integers(0, R_max + 1)), 2.0, 1, 0.0)
-            qs = K.search_setup(d, q, prob)
-            work = K.workspace(prob)
+            qs, prob, work = search_case(rng, cl, dims, d, n_keep, math.inf)
             for tau in sorted({qs[10], qs[11], (qs[10] + qs[11]) // 2}):
                 n = K.greedy(tau, qs, prob, work)
                 if n < 0:
