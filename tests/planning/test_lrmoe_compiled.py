@@ -296,6 +296,24 @@ def test_greedy_at_thresholds_with_one_rank_and_no_slots():
             assert L._greedy(tau, *s.args, context=s.context) == R._greedy(tau, *s.args)
 
 
+def test_quota_matrix_equals_largest_remainder_cols():
+    """The candidates' backward quotas per (instance, source): every column's largest remainder
+    split (plan.largest_remainder_cols), zeros, ties, kept == rows, one source, counts >= 2**26."""
+    from lrmoe.planning.plan import largest_remainder_cols
+    rng = np.random.default_rng(995)
+    for k in range(400):
+        N, G = int(rng.integers(1, 40)), int(rng.choice([1, 2, 3, 8, 64]))
+        send = rng.integers(0, [50, 3, 2**28][k % 3], (N, G))
+        send[rng.random(N) < 0.2] = 0
+        if k % 4 == 1:
+            send[:, :] = int(rng.integers(0, 3))  # ties everywhere
+        rows = send.sum(1)
+        kept = np.array([int(rng.integers(0, r + 1)) if r else 0 for r in rows])
+        kept = np.where(rng.random(N) < 0.15, rows, kept)
+        np.testing.assert_array_equal(K.quota_matrix(kept, np.ascontiguousarray(send)),
+                                      largest_remainder_cols(kept, send.T).T)
+
+
 def test_instances_by_expert_equal_a_stable_argsort():
     """instance_quotas' grouping: the candidates' layout (owners, then replicas sorted by expert)
     without a sort, any other layout by the sort; both equal np.argsort(kind="stable")."""
