@@ -4,7 +4,10 @@
 machine code is written once and reloaded by later processes). Where the cache lives is numba's
 rule: ``__pycache__`` beside the source file when that folder is writable, else a per-user cache
 folder (``~/.cache/numba`` style), or ``NUMBA_CACHE_DIR`` when set — so a read-only install still
-works, compiling in each new process if nothing is writable at all. ``NUMBA_DISABLE_JIT=1`` runs
+works, compiling in each new process if nothing is writable at all. Numba keys a cached function
+by its own source file only: after editing a compiled helper that another module's functions call
+(``plan.heap_push``, say), delete the stale machine code (``find lrmoe baselines -name '*.nb[ic]' -delete``)
+or the callers keep running the old helper. ``NUMBA_DISABLE_JIT=1`` runs
 the same functions as plain Python (slow; useful to step through them in a debugger).
 
 The compiled functions take and return numpy arrays and scalars only; the planners keep their

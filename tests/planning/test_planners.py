@@ -385,3 +385,29 @@ def test_baseline_fallbacks(name):
         oom = plan(name, d, budget, fallback="oom")
         assert oom.over_budget and not oom.fits and oom.fallback == "oom"
         assert plan(name, d, static * 0.5).fallback == "oom"
+
+
+def test_compiled_heap_pops_in_heapq_order():
+    """plan.heap_push / heap_pop (the compiled planners' priority queue, SYMI's slot counts and
+    UltraEP's EPLB fallback) pop (key, index) pairs in heapq's tuple order: random keys, many ties,
+    one entry, pops interleaved with pushes."""
+    import heapq
+    from lrmoe.planning.plan import heap_pop, heap_push
+    rng = np.random.default_rng(4107)
+    for case in range(300):
+        n = int(rng.integers(1, 200))
+        keys_in = rng.integers(0, [3, 50, 10**6][case % 3], n).astype(np.float64) * (-1) ** case
+        keys, idx = np.empty(n), np.empty(n, dtype=np.int64)
+        size, ref, popped, expect = 0, [], [], []
+        for i in rng.permutation(n):
+            size = heap_push(keys, idx, size, float(keys_in[i]), int(i))
+            heapq.heappush(ref, (float(keys_in[i]), int(i)))
+            if rng.random() < 0.3:
+                j, size = heap_pop(keys, idx, size)
+                popped.append(j)
+                expect.append(heapq.heappop(ref)[1])
+        while size:
+            j, size = heap_pop(keys, idx, size)
+            popped.append(j)
+            expect.append(heapq.heappop(ref)[1])
+        assert popped == expect, case
