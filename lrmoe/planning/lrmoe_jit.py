@@ -1017,38 +1017,8 @@ def quota_matrix(kept_N, send):
     quota = np.empty((N, G), dtype=np.int64)
     rem = np.empty(G, dtype=np.int64)
     buf = np.empty(G, dtype=np.int64)
-    for c in range(N):  # largest_remainder_col, its usual case written out (few sources: the call dominated)
-        total = kept_N[c]
-        W = 0
-        for s in range(G):
-            W += send[c, s]
-        if total == 0 or W <= 0 or total == W or total >= 2**26 or W >= 2**26:
-            largest_remainder_col(total, send[c], quota[c], rem, buf)
-            continue
-        fW = float(W)
-        placed = 0
-        for s in range(G):
-            p = send[c, s] * total
-            f = np.int64(p / fW)
-            r = p - f * W
-            if r < 0:
-                f -= 1
-                r += W
-            elif r >= W:
-                f += 1
-                r -= W
-            quota[c, s] = f
-            rem[s] = r
-            placed += f
-        missing = total - placed
-        if missing == 1:  # the largest remainder, the lowest source on ties
-            best, at = rem[0], 0
-            for s in range(1, G):
-                if rem[s] > best:
-                    best, at = rem[s], s
-            quota[c, at] += 1
-        elif missing > 1:
-            _add_top_buf(quota[c], rem, missing, buf)
+    for c in range(N):
+        largest_remainder_col(kept_N[c], send[c], quota[c], rem, buf)
     return quota
 
 
