@@ -23,7 +23,7 @@ import numpy as np
 
 from lrmoe.planning.jit import njit
 from lrmoe.planning.memory import memory_constants
-from lrmoe.planning.plan import (Instance, Instances, cap_column, heap_pop, heap_push, keep_all_peak, make_plan,
+from lrmoe.planning.plan import (Instance, Instances, cap_columns, heap_pop, heap_push, keep_all_peak, make_plan,
                                  prefix_split_ranges, resolve_budget)
 
 
@@ -248,14 +248,7 @@ def route_kernel(d_GE, expert_N, counts_E, capacity_factor, row_cap):
     cap = capacity if row_cap < 0 else (row_cap if capacity < 0 else min(capacity, row_cap))
     send, lo_N, hi_N = prefix_split_ranges(d_GE, expert_N, quota_N)
     if cap >= 0:  # a slot receives its quota: those over the cap are trimmed
-        idx = np.empty(G, np.int64)
-        val = np.empty(G, np.int64)
-        out = np.empty(G, np.int64)
-        key = np.empty(G, np.int64)
-        sel = np.empty(G, np.int64)
-        for n in range(N):
-            if quota_N[n] > cap:
-                cap_column(send, n, lo_N[n], hi_N[n], cap, idx, val, out, key, sel)
+        cap_columns(send, quota_N > cap, lo_N, hi_N, np.full(N, cap, np.int64))
     return send, capacity
 
 

@@ -9,10 +9,11 @@ import pytest
 from lrmoe.planning import Cluster, ModelDims
 from lrmoe.planning import lrmoe_plan as L
 from lrmoe.planning.reference import lrmoe_plan as R
-from lrmoe.planning.plan import (largest_remainder, largest_remainder_cols, largest_remainder_groups, locality_split,
+from lrmoe.planning.plan import (cap_rows, largest_remainder, largest_remainder_cols, largest_remainder_groups, locality_split,
                                  locality_split_replicas, replica_columns)
 from lrmoe.planning.policies import plan_placement
 from lrmoe.planning.reference import reference_plan
+from lrmoe.planning.reference.routing import cap_rows as reference_cap_rows
 from planner_cases import DROPLESS, skewed_demand
 
 
@@ -575,3 +576,44 @@ def test_lrmoe_greedy_equals_reference_at_every_threshold(seed, kind):
             assert got == R._greedy(tau, *s.args), (budget, tau)
             placed += len(got or [])
     assert placed > 0  # replicas were placed, so receivers were chosen
+
+
+def plain_largest_remainder(total, w):
+    """The definition: floor(w * total / W), then one more to the largest remainders (ties: lower index)."""
+    w = np.asarray(w, dtype=object)  # exact integers at any size
+    W = int(w.sum())
+    if total == 0 or W == 0:
+        return np.zeros(w.size, dtype=np.int64)
+    base = np.array([int(v) * total // W for v in w], dtype=object)
+    rem = np.array([int(v) * total % W for v in w], dtype=object)
+    order = sorted(range(w.size), key=lambda i: (-rem[i], i))
+    for i in order[:total - int(base.sum())]:
+        base[i] += 1
+    return base.astype(np.int64)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("kind", KINDS + ("huge",))
+def test_cap_rows_and_largest_remainder_equal_the_definition(seed, kind):
+    """plan.cap_rows (cap_columns: columns of up to 16 nonzero rows split in place, longer ones by
+    largest_remainder_scratch) and largest_remainder (short vectors: the largest remainder one at a
+    time) against the plain definition: caps 0, 1, random and above the column, one row, columns
+    wider than 16 rows, ties, and column sums near 2**31."""
+    rng = np.random.default_rng(seed + 310)
+    G = int(rng.choice([1, 2, 3, 8, 16, 17, 40]))
+    N = int(rng.integers(1, 30))
+    w = weights(rng, G, N, "random" if kind == "huge" else kind)
+    if kind == "huge":
+        w = w * int(rng.integers(1, 1 << 19))  # column sums up to 2**31 (w * cap stays below 2**62)
+    total = w.sum(0)
+    cap = np.array([int(rng.choice([0, 1, int(rng.integers(0, c + 1)) if c else 0, c + 3])) for c in total])
+    got = cap_rows(w, cap)
+    want = w.copy()
+    for n in range(N):
+        if total[n] > cap[n]:
+            want[:, n] = plain_largest_remainder(int(cap[n]), w[:, n])
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(cap_rows(w, int(cap[0])), reference_cap_rows(w, int(cap[0])))
+    for n in range(N):
+        np.testing.assert_array_equal(largest_remainder(int(cap[n]) if total[n] else 0, w[:, n]),
+                                      plain_largest_remainder(int(cap[n]) if total[n] else 0, w[:, n]))
