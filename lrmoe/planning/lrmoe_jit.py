@@ -23,6 +23,7 @@ import math
 import numpy as np
 
 from .jit import njit
+from .plan import add_top
 
 EPS = 1e-9
 WATERFILL, PROPORTIONAL = 0, 1  # the built-in quota policies (lrmoe.planning.quota)
@@ -225,62 +226,10 @@ def _desc_order(key):
 
 
 @njit
-def _kth_largest(buf, n, k):
-    """The k-th largest of buf[:n] (1 <= k <= n; buf is scratch: reordered)."""
-    lo, hi, target = 0, n - 1, k - 1
-    while lo < hi:
-        pivot = buf[(lo + hi) // 2]
-        i, j = lo, hi
-        while i <= j:  # Hoare partition, descending
-            while buf[i] > pivot:
-                i += 1
-            while buf[j] < pivot:
-                j -= 1
-            if i <= j:
-                buf[i], buf[j] = buf[j], buf[i]
-                i += 1
-                j -= 1
-        if target <= j:
-            hi = j
-        elif target >= i:
-            lo = i
-        else:
-            return buf[target]
-    return buf[target]
-
-
-@njit
-def _add_top_buf(out, rem, missing, buf):
-    """``out[i] += 1`` for the ``missing`` entries of largest ``rem`` (ties: the lower index), as
-    ``out + (rank < missing)`` with ``rank`` from a stable argsort of ``-rem``; ``buf``: scratch of
-    rem's size."""
-    n = rem.size
-    if missing <= 0:
-        return
-    if missing >= n:
-        for i in range(n):
-            out[i] += 1
-        return
-    for i in range(n):
-        buf[i] = rem[i]
-    T = _kth_largest(buf, n, missing)
-    ties = missing
-    for i in range(n):
-        if rem[i] > T:
-            ties -= 1
-    for i in range(n):
-        if rem[i] > T:
-            out[i] += 1
-        elif rem[i] == T and ties > 0:
-            out[i] += 1
-            ties -= 1
-
-
-@njit
 def _add_top(out, rem, missing):
-    """:func:`_add_top_buf` with its own scratch."""
+    """:func:`lrmoe.planning.plan.add_top` with its own scratch."""
     if missing > 0:
-        _add_top_buf(out, rem, missing, np.empty(rem.size, dtype=rem.dtype))
+        add_top(out, rem, missing, np.empty(rem.size, dtype=np.int64))
 
 
 @njit
@@ -321,7 +270,7 @@ def largest_remainder_col(total, w, out, rem, buf):
             out[i] = p // W
             rem[i] = p - out[i] * W
             s += out[i]
-    _add_top_buf(out, rem, total - s, buf)
+    add_top(out, rem, total - s, buf)
 
 
 # ----------------------------------------------------------------------------- quota policies
@@ -868,7 +817,7 @@ def instance_quotas(q_E, rows_N, expert_N, rank_N, G, bw, tau):
             for k in range(start, stop):
                 sub[k - start] = rems[cols[k]]
                 add[k - start] = 0
-            _add_top_buf(add[:m], sub[:m], units_E[e], buf[:m])
+            add_top(add[:m], sub[:m], units_E[e], buf[:m])
             for k in range(start, stop):
                 exact[cols[k]] += add[k - start]
         start = stop

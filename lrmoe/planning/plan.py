@@ -460,35 +460,109 @@ def divmod_nonneg(a, b):
 
 
 @njit
-def kth_smallest(a, m, k):
-    """The k-th smallest (0-based) of a[:m], distinct values; a[:m] is permuted (quickselect)."""
-    lo, hi = 0, m - 1
+def kth_largest(buf, n, k):
+    """The k-th largest of buf[:n] (1 <= k <= n; buf is scratch: reordered; Hoare quickselect)."""
+    lo, hi, target = 0, n - 1, k - 1
     while lo < hi:
-        pivot = a[(lo + hi) >> 1]
+        pivot = buf[(lo + hi) // 2]
         i, j = lo, hi
-        while i <= j:
-            while a[i] < pivot:
+        while i <= j:  # Hoare partition, descending
+            while buf[i] > pivot:
                 i += 1
-            while a[j] > pivot:
+            while buf[j] < pivot:
                 j -= 1
             if i <= j:
-                a[i], a[j] = a[j], a[i]
+                buf[i], buf[j] = buf[j], buf[i]
                 i += 1
                 j -= 1
-        if k <= j:
+        if target <= j:
             hi = j
-        elif k >= i:
+        elif target >= i:
             lo = i
         else:
-            return a[k]
-    return a[k]
+            return buf[target]
+    return buf[target]
+
+
+@njit
+def add_top(out, key, missing, buf):
+    """``out[i] += 1`` for the ``missing`` largest entries of ``key`` (ties: the lower index), as
+    ``out + (rank < missing)`` with ``rank`` from a stable argsort of ``-key``: the largest-remainder
+    step of every split. ``buf``: int64 scratch of key's size; key is not changed.
+
+    Up to 16 entries: the largest, missing times. Longer: a bucket select (the keys' range cut into
+    n buckets, monotone in the key: every entry of a higher bucket is larger), then the largest of
+    the threshold bucket when it holds up to 16 entries, else a quickselect over all (a tie-heavy
+    key). Twice as fast as the quickselect at 32-128 entries (the split of a column over EP64's
+    sources)."""
+    n = key.size
+    if missing <= 0:
+        return
+    if missing >= n:
+        for i in range(n):
+            out[i] += 1
+        return
+    if n <= 16:
+        for i in range(n):
+            buf[i] = 0  # taken
+        for _ in range(missing):
+            at = -1
+            for i in range(n):
+                if buf[i] == 0 and (at < 0 or key[i] > key[at]):
+                    at = i
+            out[at] += 1
+            buf[at] = 1
+        return
+    lo, hi = key[0], key[0]
+    for i in range(n):
+        lo = min(lo, key[i])
+        hi = max(hi, key[i])
+    scale = n / (float(hi - lo) + 1.0)
+    for b in range(n):
+        buf[b] = 0
+    for i in range(n):
+        buf[min(np.int64((key[i] - lo) * scale), n - 1)] += 1
+    t, above = n - 1, 0
+    while above + buf[t] < missing:
+        above += buf[t]
+        t -= 1
+    if buf[t] <= 16:
+        m = 0
+        for i in range(n):  # buf now lists the threshold bucket's entries
+            b = min(np.int64((key[i] - lo) * scale), n - 1)
+            if b > t:
+                out[i] += 1
+            elif b == t:
+                buf[m] = i
+                m += 1
+        for _ in range(missing - above):
+            at = -1
+            for j in range(m):
+                if buf[j] >= 0 and (at < 0 or key[buf[j]] > key[buf[at]]):
+                    at = j
+            out[buf[at]] += 1
+            buf[at] = -1
+        return
+    for i in range(n):
+        buf[i] = key[i]
+    T = kth_largest(buf, n, missing)
+    ties = missing
+    for i in range(n):
+        if key[i] > T:
+            ties -= 1
+    for i in range(n):
+        if key[i] > T:
+            out[i] += 1
+        elif key[i] == T and ties > 0:
+            out[i] += 1
+            ties -= 1
 
 
 @njit
 def largest_remainder_scratch(out, w, total, key, sel):
     """``out[:] = largest_remainder(total, w)`` for a 1-D ``w`` whose sum is > 0 (or total == 0);
-    remainders to the largest fractional parts, ties to the lower index. ``key`` and ``sel`` are
-    scratch of at least w.size entries."""
+    remainders to the largest fractional parts, ties to the lower index (:func:`add_top`). ``key``
+    and ``sel`` are scratch of at least w.size entries."""
     n = w.size
     if total == 0:
         for i in range(n):
@@ -512,48 +586,7 @@ def largest_remainder_scratch(out, w, total, key, sel):
         out[i] = q
         key[i] = r
         placed += q
-    missing = total - placed
-    if missing <= 0:
-        return
-    if missing == 1:  # the largest remainder (the lowest index on ties)
-        best, at = key[0], 0
-        for i in range(1, n):
-            if key[i] > best:
-                best, at = key[i], i
-        out[at] += 1
-        return
-    if W < (1 << 62) // n:
-        # unique keys ordered as (remainder desc, index asc): the missing largest take one more each
-        for i in range(n):
-            key[i] = key[i] * n + (n - 1 - i)
-        if n <= 16:  # a short vector: the largest key, missing times (no selection's setup)
-            for _ in range(missing):
-                best, at = -1, 0
-                for i in range(n):
-                    if key[i] > best:
-                        best, at = key[i], i
-                out[at] += 1
-                key[at] = -1
-            return
-        for i in range(n):
-            sel[i] = key[i]
-        thr = kth_smallest(sel, n, n - missing)
-        for i in range(n):
-            if key[i] >= thr:
-                out[i] += 1
-        return
-    srt = np.sort(key[:n])  # the missing-th largest remainder; larger ones, then equal ones by index
-    thr = srt[n - missing]
-    for i in range(n):
-        if key[i] > thr:
-            out[i] += 1
-            missing -= 1
-    for i in range(n):
-        if missing == 0:
-            break
-        if key[i] == thr:
-            out[i] += 1
-            missing -= 1
+    add_top(out, key[:n], total - placed, sel)
 
 
 @njit

@@ -9,8 +9,8 @@ import pytest
 from lrmoe.planning import Cluster, ModelDims
 from lrmoe.planning import lrmoe_plan as L
 from lrmoe.planning.reference import lrmoe_plan as R
-from lrmoe.planning.plan import (cap_rows, largest_remainder, largest_remainder_cols, largest_remainder_groups, locality_split,
-                                 locality_split_replicas, replica_columns)
+from lrmoe.planning.plan import (add_top, cap_rows, largest_remainder, largest_remainder_cols, largest_remainder_groups,
+                                 locality_split, locality_split_replicas, replica_columns)
 from lrmoe.planning.policies import plan_placement
 from lrmoe.planning.reference import reference_plan
 from lrmoe.planning.reference.routing import cap_rows as reference_cap_rows
@@ -617,3 +617,35 @@ def test_cap_rows_and_largest_remainder_equal_the_definition(seed, kind):
     for n in range(N):
         np.testing.assert_array_equal(largest_remainder(int(cap[n]) if total[n] else 0, w[:, n]),
                                       plain_largest_remainder(int(cap[n]) if total[n] else 0, w[:, n]))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_add_top_equals_the_stable_argsort(seed):
+    """plan.add_top (the largest-remainder step: the largest entry missing times up to 16 entries,
+    a bucket select above, a quickselect when the threshold bucket holds many ties) gives
+    ``out + (rank < missing)`` with rank from a stable argsort of -key, on short and long keys,
+    negative keys, few distinct values, all equal, one huge outlier, and every missing count."""
+    rng = np.random.default_rng(seed + 420)
+    for n in (1, 2, 5, 16, 17, 33, 64, 200):
+        for shape in ("random", "few", "equal", "outlier", "negative"):
+            if shape == "random":
+                key = rng.integers(0, 1 << 40, n)
+            elif shape == "few":
+                key = rng.integers(0, 3, n)
+            elif shape == "equal":
+                key = np.full(n, int(rng.integers(-5, 5)))
+            elif shape == "outlier":
+                key = rng.integers(0, 10, n)
+                key[int(rng.integers(n))] = 1 << 50
+            else:
+                key = rng.integers(-1000, 1000, n)
+            key = key.astype(np.int64)
+            rank = np.empty(n, dtype=np.int64)
+            rank[np.argsort(-key, kind="stable")] = np.arange(n)
+            for missing in sorted({0, 1, n // 2, n - 1, n, int(rng.integers(0, n + 1))}):
+                out = rng.integers(0, 5, n).astype(np.int64)
+                want = out + (rank < missing)
+                before = key.copy()
+                add_top(out, key, missing, np.empty(n, dtype=np.int64))
+                np.testing.assert_array_equal(out, want, err_msg=f"n={n} {shape} missing={missing}")
+                np.testing.assert_array_equal(key, before)
