@@ -264,6 +264,17 @@ def largest_remainder_col(total, w, out, rem, buf):
             out[i] = f
             rem[i] = r
             s += f
+        if n <= 16:  # the remainders one largest at a time, as unique keys (remainder desc, index asc)
+            for i in range(n):
+                buf[i] = rem[i] * n + (n - 1 - i)
+            for _ in range(total - s):
+                best, at = -1, 0
+                for i in range(n):
+                    if buf[i] > best:
+                        best, at = buf[i], i
+                out[at] += 1
+                buf[at] = -1
+            return
     else:
         for i in range(n):
             p = w[i] * total
@@ -967,7 +978,37 @@ def quota_matrix(kept_N, send):
     rem = np.empty(G, dtype=np.int64)
     buf = np.empty(G, dtype=np.int64)
     for c in range(N):
-        largest_remainder_col(kept_N[c], send[c], quota[c], rem, buf)
+        total, W = kept_N[c], 0
+        for i in range(G):
+            W += send[c, i]
+        if G > 16 or total >= 2**26 or W >= 2**26 or total == 0 or total == W:
+            largest_remainder_col(total, send[c], quota[c], rem, buf)
+            continue
+        # up to 16 sources (EP8): the split in place, without the two calls per column that cost
+        # 15x the arithmetic (136 columns at Qwen3 EP8: 16.9 -> 3 us); largest_remainder_col's
+        # float quotient (w * total < 2**52), then the remainders one largest at a time, as
+        # unique keys (remainder desc, source asc)
+        fW, s = float(W), 0
+        for i in range(G):
+            p = send[c, i] * total
+            f = np.int64(p / fW)
+            r = p - f * W
+            if r < 0:
+                f -= 1
+                r += W
+            elif r >= W:
+                f += 1
+                r -= W
+            quota[c, i] = f
+            buf[i] = r * G + (G - 1 - i)
+            s += f
+        for _ in range(total - s):
+            best, at = -1, 0
+            for i in range(G):
+                if buf[i] > best:
+                    best, at = buf[i], i
+            quota[c, at] += 1
+            buf[at] = -1
     return quota
 
 
