@@ -1076,29 +1076,42 @@ def _peak(mem):
 def candidate_fits(tau, qs, prob, work):
     """1 when the candidate at tau fits the budget, 0 when it does not, -1 when the greedy fails.
 
-    The candidate's backward quotas per (instance, source) are needed only where bounds on its
-    peak do not decide (:func:`peak_bounds`); else the verdict comes without them."""
+    The candidate's backward quotas per (instance, source) are not built: bounds on every rank's
+    memory decide most verdicts (:func:`source_bounds`), and the ranks they leave open get their
+    exact kept rows sent (:func:`sent_kept_exact`)."""
     n = greedy(tau, qs, prob, work)
     if n < 0:
         return -1
     E, G, pairs_G, budget = qs[2].size, qs[15].shape[1], qs[16], prob[10]
     _, rank_N, send, kept_N = _layout_kept(tau, qs, prob, work, n)
-    low, high = peak_bounds(prob, G, E, rank_N, send, kept_N, pairs_G)
-    if high <= budget:
+    base, lo, hi = source_bounds(prob, G, E, rank_N, send, kept_N, pairs_G)
+    row = prob[6]
+    open_G = np.empty(G, dtype=np.int64)
+    k = 0
+    for s in range(G):
+        if base[s] + row * lo[s] > budget:
+            return 0
+        if base[s] + row * hi[s] > budget:
+            open_G[k] = s
+            k += 1
+    if k == 0:
         return 1
-    if low > budget:
-        return 0
-    return 1 if _peak(plan_memory(prob, G, E, rank_N, send, quota_matrix(kept_N, send), pairs_G)) <= budget else 0
+    kept = sent_kept_exact(kept_N, send, open_G[:k])
+    for j in range(k):
+        if base[open_G[j]] + row * kept[j] > budget:
+            return 0
+    return 1
 
 
 @njit
-def peak_bounds(prob, G, E, rank_N, send, kept_N, pairs_G):
-    """Bounds (low, high) on :func:`plan_memory`'s peak of a candidate, from its send [N, G] and kept
-    rows per instance, without the backward quotas per (instance, source): every term is exact
-    but the kept rows each source sends, sum_c quota[c, s], whose every entry (a largest-remainder
-    split of kept_N[c] over the sources by send) is the floor or the ceiling of its share
-    kept_N[c] send[c, s] / rows_c; the sum is within the shares' sum +- the count of nonzero
-    entries, widened by 1 for the float sum (whose error is far below 1)."""
+def source_bounds(prob, G, E, rank_N, send, kept_N, pairs_G):
+    """Every rank's :func:`plan_memory` total but the kept rows it sends, and bounds on those, from a
+    candidate's send [N, G] and kept rows per instance, without the backward quotas per (instance,
+    source): (base_G, lo_G, hi_G), the rank's total being base + row_dispatch x (kept rows sent),
+    those in [lo, hi]. They are sum_c quota[c, s], whose every entry (a largest-remainder split of
+    kept_N[c] over the sources by send) is the floor or the ceiling of its share kept_N[c]
+    send[c, s] / rows_c: the sum is within the shares' sum +- the count of nonzero entries,
+    widened by 1 for the float sum (whose error is far below 1)."""
     N = rank_N.size
     fixed = np.zeros(G, dtype=np.int64)
     sent = np.zeros(G, dtype=np.int64)
@@ -1116,14 +1129,82 @@ def peak_bounds(prob, G, E, rank_N, send, kept_N, pairs_G):
             for s in range(G):
                 share[s] += f * send[c, s]
                 nonzero[s] += send[c, s] > 0
+    base = np.empty(G, dtype=np.int64)
+    lo = np.empty(G, dtype=np.int64)
+    hi = np.empty(G, dtype=np.int64)
+    for s in range(G):
+        lo[s] = max(math.ceil(share[s]) - nonzero[s] - 1, 0)
+        hi[s] = min(math.floor(share[s]) + nonzero[s] + 1, sent[s])
+        base[s] = fixed[s] + prob[6] * sent[s] + prob[8] * pairs_G[s]
+    return base, lo, hi
+
+
+@njit
+def peak_bounds(prob, G, E, rank_N, send, kept_N, pairs_G):
+    """Bounds (low, high) on :func:`plan_memory`'s peak of a candidate (:func:`source_bounds`' over
+    the ranks)."""
+    base, lo, hi = source_bounds(prob, G, E, rank_N, send, kept_N, pairs_G)
     low, high = 0, 0
     for s in range(G):
-        lo = max(math.ceil(share[s]) - nonzero[s] - 1, 0)
-        hi = min(math.floor(share[s]) + nonzero[s] + 1, sent[s])
-        base = fixed[s] + prob[6] * sent[s] + prob[8] * pairs_G[s]
-        low = max(low, base + prob[6] * lo)
-        high = max(high, base + prob[6] * hi)
+        low = max(low, base[s] + prob[6] * lo[s])
+        high = max(high, base[s] + prob[6] * hi[s])
     return low, high
+
+
+@njit
+def sent_kept_exact(kept_N, send, sources):
+    """``quota_matrix(kept_N, send)[:, sources].sum(0)`` without the matrix: per column the floors
+    and remainders of the split (as :func:`largest_remainder_col`), and a source takes one more
+    where fewer than the missing units go to remainders before its own (larger, or equal at a
+    lower source). O(N G (1 + len(sources))), no selection: at EP64 a few sources cost a fifth of
+    the full matrix."""
+    N, G = send.shape
+    k = sources.size
+    out = np.zeros(k, dtype=np.int64)
+    fl = np.empty(G, dtype=np.int64)
+    rm = np.empty(G, dtype=np.int64)
+    for c in range(N):
+        total, W = kept_N[c], 0
+        for i in range(G):
+            W += send[c, i]
+        if total == 0 or W <= 0:
+            continue
+        if total == W:
+            for j in range(k):
+                out[j] += send[c, sources[j]]
+            continue
+        s_fl = 0
+        if total < 2**26 and W < 2**26:  # w * total < 2^52: a float quotient is within 1 of the floor
+            fW = float(W)
+            for i in range(G):
+                p = send[c, i] * total
+                f = np.int64(p / fW)
+                r = p - f * W
+                if r < 0:
+                    f -= 1
+                    r += W
+                elif r >= W:
+                    f += 1
+                    r -= W
+                fl[i] = f
+                rm[i] = r
+                s_fl += f
+        else:
+            for i in range(G):
+                p = send[c, i] * total
+                fl[i] = p // W
+                rm[i] = p - fl[i] * W
+                s_fl += fl[i]
+        missing = total - s_fl
+        for j in range(k):
+            s = sources[j]
+            out[j] += fl[s]
+            if missing > 0:
+                r, before = rm[s], 0
+                for i in range(G):
+                    before += (rm[i] > r) | ((rm[i] == r) & (i < s))
+                out[j] += before < missing
+    return out
 
 
 @njit

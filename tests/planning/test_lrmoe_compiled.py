@@ -314,6 +314,26 @@ def test_quota_matrix_equals_largest_remainder_cols():
                                       largest_remainder_cols(kept, send.T).T)
 
 
+def test_sent_kept_exact_equals_the_quota_matrix_sums():
+    """candidate_fits' exact kept rows sent by the ranks its bounds leave open: the column sums of
+    quota_matrix for any subset of sources, with zeros, ties, kept == rows, one source, counts
+    >= 2**26 and 64 sources."""
+    rng = np.random.default_rng(997)
+    for k in range(300):
+        N, G = int(rng.integers(1, 40)), int(rng.choice([1, 2, 3, 8, 17, 64]))
+        send = rng.integers(0, [50, 3, 2**28][k % 3], (N, G))
+        send[rng.random(N) < 0.2] = 0
+        if k % 4 == 1:
+            send[:, :] = int(rng.integers(0, 3))  # ties everywhere
+        rows = send.sum(1)
+        kept = np.array([int(rng.integers(0, r + 1)) if r else 0 for r in rows])
+        kept = np.where(rng.random(N) < 0.15, rows, kept)
+        send = np.ascontiguousarray(send)
+        full = K.quota_matrix(kept, send).sum(0)
+        sources = rng.choice(G, int(rng.integers(1, G + 1)), replace=False).astype(np.int64)
+        np.testing.assert_array_equal(K.sent_kept_exact(kept, send, sources), full[sources])
+
+
 def test_instances_by_expert_equal_a_stable_argsort():
     """instance_quotas' grouping: the candidates' layout (owners, then replicas sorted by expert)
     without a sort, any other layout by the sort; both equal np.argsort(kind="stable")."""
