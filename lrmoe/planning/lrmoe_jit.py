@@ -981,7 +981,7 @@ def quota_matrix(kept_N, send):
         total, W = kept_N[c], 0
         for i in range(G):
             W += send[c, i]
-        if G > 16 or total >= 2**26 or W >= 2**26 or total == 0 or total == W:
+        if G > 16 or total >= 2**26 or W >= 2**26 or total == 0 or total == W or W <= 0:
             largest_remainder_col(total, send[c], quota[c], rem, buf)
             continue
         # up to 16 sources (EP8): the split in place, without the two calls per column that cost
@@ -1142,7 +1142,7 @@ def source_bounds(prob, G, E, rank_N, send, kept_N, pairs_G):
 @njit
 def peak_bounds(prob, G, E, rank_N, send, kept_N, pairs_G):
     """Bounds (low, high) on :func:`plan_memory`'s peak of a candidate (:func:`source_bounds`' over
-    the ranks)."""
+    the ranks; the tests read it, :func:`candidate_fits` reads the ranks' own bounds)."""
     base, lo, hi = source_bounds(prob, G, E, rank_N, send, kept_N, pairs_G)
     low, high = 0, 0
     for s in range(G):

@@ -42,3 +42,17 @@ def skewed_demand(rng, G, E, kind):
     if kind == "empty":
         d[:, rng.random(E) < 0.4] = 0
     return d
+
+
+def plain_largest_remainder(total, w):
+    """The definition: floor(w * total / W), then one more to the largest remainders (ties: lower index)."""
+    w = np.asarray(w, dtype=object)  # exact integers at any size
+    W = int(w.sum())
+    if total == 0 or W == 0:
+        return np.zeros(w.size, dtype=np.int64)
+    base = np.array([int(v) * total // W for v in w], dtype=object)
+    rem = np.array([int(v) * total % W for v in w], dtype=object)
+    order = sorted(range(w.size), key=lambda i: (-rem[i], i))
+    for i in order[:total - int(base.sum())]:
+        base[i] += 1
+    return base.astype(np.int64)

@@ -110,7 +110,8 @@ def test_quota_status_refuses_a_broken_quota():
 
 
 def test_largest_remainder_selection_is_a_stable_sort():
-    """The quickselect picks the same entries as a stable argsort of the remainders (ties: lower index)."""
+    """The quotas' selection (plan.add_top) picks the same entries as a stable argsort of the
+    remainders (ties: lower index)."""
     rng = np.random.default_rng(4)
     for _ in range(3000):
         n = int(rng.integers(1, 90))
@@ -334,6 +335,24 @@ def test_sent_kept_exact_equals_the_quota_matrix_sums():
         np.testing.assert_array_equal(K.sent_kept_exact(kept, send, sources), full[sources])
 
 
+def test_largest_remainder_col_equals_the_definition():
+    """largest_remainder_col (every short split: up to 16 entries, the remainders one largest at a
+    time as unique keys) against the plain definition: 1-16 and 40 entries, ties, zeros, totals 0,
+    1, W and in between, and counts on both sides of the float quotient's 2**26 bound."""
+    from planner_cases import plain_largest_remainder
+    rng = np.random.default_rng(998)
+    for k in range(600):
+        n = int(rng.choice([1, 2, 3, 5, 8, 13, 16, 40]))
+        w = rng.integers(0, [50, 3, 2**27][k % 3], n).astype(np.int64)
+        if k % 5 == 1:
+            w[:] = int(rng.integers(0, 3))
+        W = int(w.sum())
+        total = int(rng.choice([0, 1, W, int(rng.integers(0, W + 1))])) if W else 0
+        out = np.empty(n, dtype=np.int64)
+        K.largest_remainder_col(total, w, out, np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64))
+        np.testing.assert_array_equal(out, plain_largest_remainder(total, w), err_msg=f"{w} {total}")
+
+
 def test_instances_by_expert_equal_a_stable_argsort():
     """instance_quotas' grouping: the candidates' layout (owners, then replicas sorted by expert)
     without a sort, any other layout by the sort; both equal np.argsort(kind="stable")."""
@@ -395,9 +414,11 @@ def test_threshold_search_from_the_domain_floor(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_peak_bounds_bracket_the_candidate_peak(kind):
-    """candidate_fits decides from bounds on a candidate's peak where they decide: the bounds hold
-    the exact peak (low <= peak <= high) at every threshold and kept-pair count, and the verdict
-    equals the full candidate's at budgets around the peak."""
+    """candidate_fits decides from bounds on every rank's memory where they decide, and from the
+    exact kept rows of the ranks they leave open: the bounds hold every rank's kept rows sent and
+    the exact peak (low <= peak <= high) at every threshold and kept-pair count, base + kept rows
+    sent is each rank's exact total, and the verdict equals the full candidate's at budgets around
+    the peak."""
     rng = np.random.default_rng(list(KINDS).index(kind) + 960)
     decided = 0
     for i in range(12):
@@ -414,6 +435,11 @@ def test_peak_bounds_bracket_the_candidate_peak(kind):
                 kept_N = quota.sum(1)
                 low, high = K.peak_bounds(prob, G, E, rank_N, send, kept_N, qs[16])
                 assert low <= peak <= high, (kind, i, tau, low, peak, high)
+                base, lo, hi = K.source_bounds(prob, G, E, rank_N, send, kept_N, qs[16])
+                kept_sent = quota.sum(0)  # every rank's kept rows sent, inside its own bounds
+                assert (lo <= kept_sent).all() and (kept_sent <= hi).all()
+                total = mem[0] + mem[1] + mem[2] + mem[3] + mem[4]  # the rank totals, exactly
+                np.testing.assert_array_equal(base + prob[6] * kept_sent, total)
                 for budget in (peak - 1, peak, (low + high) / 2, high, low - 1):
                     if budget <= 0:
                         continue

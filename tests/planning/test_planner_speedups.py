@@ -14,7 +14,7 @@ from lrmoe.planning.plan import (add_top, cap_rows, largest_remainder, largest_r
 from lrmoe.planning.policies import plan_placement
 from lrmoe.planning.reference import reference_plan
 from lrmoe.planning.reference.routing import cap_rows as reference_cap_rows
-from planner_cases import DROPLESS, skewed_demand
+from planner_cases import DROPLESS, plain_largest_remainder, skewed_demand
 
 
 def weights(rng, G, N, kind):
@@ -578,20 +578,6 @@ def test_lrmoe_greedy_equals_reference_at_every_threshold(seed, kind):
     assert placed > 0  # replicas were placed, so receivers were chosen
 
 
-def plain_largest_remainder(total, w):
-    """The definition: floor(w * total / W), then one more to the largest remainders (ties: lower index)."""
-    w = np.asarray(w, dtype=object)  # exact integers at any size
-    W = int(w.sum())
-    if total == 0 or W == 0:
-        return np.zeros(w.size, dtype=np.int64)
-    base = np.array([int(v) * total // W for v in w], dtype=object)
-    rem = np.array([int(v) * total % W for v in w], dtype=object)
-    order = sorted(range(w.size), key=lambda i: (-rem[i], i))
-    for i in order[:total - int(base.sum())]:
-        base[i] += 1
-    return base.astype(np.int64)
-
-
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("kind", KINDS + ("huge",))
 def test_cap_rows_and_largest_remainder_equal_the_definition(seed, kind):
@@ -624,10 +610,11 @@ def test_add_top_equals_the_stable_argsort(seed):
     """plan.add_top (the largest-remainder step: the largest entry missing times up to 16 entries,
     a bucket select above, a quickselect when the threshold bucket holds many ties) gives
     ``out + (rank < missing)`` with rank from a stable argsort of -key, on short and long keys,
-    negative keys, few distinct values, all equal, one huge outlier, and every missing count."""
+    negative keys, few distinct values, all equal, one huge outlier, keys whose range overflows
+    int64, and every missing count."""
     rng = np.random.default_rng(seed + 420)
     for n in (1, 2, 5, 16, 17, 33, 64, 200):
-        for shape in ("random", "few", "equal", "outlier", "negative"):
+        for shape in ("random", "few", "equal", "outlier", "negative", "int64 span"):
             if shape == "random":
                 key = rng.integers(0, 1 << 40, n)
             elif shape == "few":
@@ -637,8 +624,11 @@ def test_add_top_equals_the_stable_argsort(seed):
             elif shape == "outlier":
                 key = rng.integers(0, 10, n)
                 key[int(rng.integers(n))] = 1 << 50
-            else:
+            elif shape == "negative":
                 key = rng.integers(-1000, 1000, n)
+            else:  # max - min overflows int64
+                key = rng.integers(-2**62, 2**62, n)
+                key[0], key[-1] = -2**62 - 5, 2**62 + 7
             key = key.astype(np.int64)
             rank = np.empty(n, dtype=np.int64)
             rank[np.argsort(-key, kind="stable")] = np.arange(n)
