@@ -528,9 +528,29 @@ def _shed(r, need, qs, prob, slack, mem, free, left, reps, n, head_E, next_R, st
 @njit
 def greedy(tau, qs, prob, work):
     """``lrmoe_plan._greedy`` at threshold tau: the number n of replicas written to ``work[0][:n]``
-    (rows: expert, rank, rows), or -1 when the greedy cannot meet tau. ``work``: :func:`workspace`."""
+    (rows: expert, rank, rows), or -1 when the greedy cannot meet tau. ``work``: :func:`workspace`.
+    Its first phase (:func:`greedy_meets`) moves every rank's cost excess; then every rank still
+    over the memory budget sheds rows, which shapes the plan but not whether tau is met."""
+    n, token = greedy_meets(tau, qs, prob, work)
+    if n < 0:
+        return -1
+    order_G, budget = qs[7], prob[10]
+    reps, next_R, head_E, stamp, excess, slack, mem, free, left = work
+    for i in range(order_G.size):
+        r = order_G[i]
+        if mem[r] > budget:
+            need, n, token = _shed(r, 0.0, qs, prob, slack, mem, free, left, reps, n, head_E, next_R, stamp, token)
+    return n
+
+
+@njit
+def greedy_meets(tau, qs, prob, work):
+    """The greedy's first phase: every rank over tau sheds its excess (and its memory over the
+    budget while at it). Returns (the replicas so far, or -1 when some rank cannot get under tau;
+    the stamp token reached). Whether tau is met is decided here, so the threshold searches run
+    only this phase."""
     d_E, cost_G, mem_G, order_G = qs[2], qs[5], qs[6], qs[7]
-    free_G, budget = prob[3], prob[10]
+    free_G = prob[3]
     reps, next_R, head_E, stamp, excess, slack, mem, free, left = work
     prob[14][0] += 1
     G = cost_G.size
@@ -539,7 +559,7 @@ def greedy(tau, qs, prob, work):
         excess[r] = max(cost_G[r] - ftau, 0.0)
         slack[r] = max(ftau - cost_G[r], 0.0)
     if np_sum(excess) > np_sum(slack) + EPS:
-        return -1
+        return -1, 0
     for r in range(G):
         mem[r] = mem_G[r]
         free[r] = free_G[r]
@@ -554,12 +574,8 @@ def greedy(tau, qs, prob, work):
             need, n, token = _shed(r, excess[r], qs, prob, slack, mem, free, left, reps, n, head_E, next_R, stamp,
                                    token)
             if need > EPS:
-                return -1
-    for i in range(G):
-        r = order_G[i]
-        if mem[r] > budget:
-            need, n, token = _shed(r, 0.0, qs, prob, slack, mem, free, left, reps, n, head_E, next_R, stamp, token)
-    return n
+                return -1, token
+    return n, token
 
 
 @njit
@@ -1246,7 +1262,7 @@ def threshold(qs, prob, work):
 def _bisect_threshold(lo, hi, slack, qs, prob, work):
     while hi - lo >= slack:
         mid = (lo + hi) // 2
-        if greedy(mid, qs, prob, work) >= 0:
+        if greedy_meets(mid, qs, prob, work)[0] >= 0:
             hi = mid
         else:
             lo = mid + 1
@@ -1271,7 +1287,7 @@ def threshold_from_floor(qs, prob, work):
         step = 1
         while True:
             good = min(bad + step, hi)
-            if good == hi or greedy(good, qs, prob, work) >= 0:
+            if good == hi or greedy_meets(good, qs, prob, work)[0] >= 0:
                 break  # top is always met: never run there, as in the bisection
             bad, step = good, 2 * step
         lo, hi = bad + 1, good
