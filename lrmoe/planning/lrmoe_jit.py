@@ -23,7 +23,7 @@ import math
 import numpy as np
 
 from .jit import njit
-from .plan import add_top
+from .plan import add_top, divmod_nonneg, pop_largest
 
 EPS = 1e-9
 WATERFILL, PROPORTIONAL = 0, 1  # the built-in quota policies (lrmoe.planning.quota)
@@ -268,12 +268,7 @@ def largest_remainder_col(total, w, out, rem, buf):
             for i in range(n):
                 buf[i] = rem[i] * n + (n - 1 - i)
             for _ in range(total - s):
-                best, at = -1, 0
-                for i in range(n):
-                    if buf[i] > best:
-                        best, at = buf[i], i
-                out[at] += 1
-                buf[at] = -1
+                out[pop_largest(buf, n)] += 1
             return
     else:
         for i in range(n):
@@ -1001,30 +996,16 @@ def quota_matrix(kept_N, send):
             largest_remainder_col(total, send[c], quota[c], rem, buf)
             continue
         # up to 16 sources (EP8): the split in place, without the two calls per column that cost
-        # 15x the arithmetic (136 columns at Qwen3 EP8: 16.9 -> 3 us); largest_remainder_col's
-        # float quotient (w * total < 2**52), then the remainders one largest at a time, as
-        # unique keys (remainder desc, source asc)
-        fW, s = float(W), 0
+        # 15x the arithmetic (136 columns at Qwen3 EP8: 16.9 -> 3 us); the floors, then the
+        # remainders one largest at a time, as unique keys (remainder desc, source asc)
+        s = 0
         for i in range(G):
-            p = send[c, i] * total
-            f = np.int64(p / fW)
-            r = p - f * W
-            if r < 0:
-                f -= 1
-                r += W
-            elif r >= W:
-                f += 1
-                r -= W
+            f, r = divmod_nonneg(send[c, i] * total, W)
             quota[c, i] = f
             buf[i] = r * G + (G - 1 - i)
             s += f
         for _ in range(total - s):
-            best, at = -1, 0
-            for i in range(G):
-                if buf[i] > best:
-                    best, at = buf[i], i
-            quota[c, at] += 1
-            buf[at] = -1
+            quota[c, pop_largest(buf, G)] += 1
     return quota
 
 
@@ -1170,7 +1151,7 @@ def peak_bounds(prob, G, E, rank_N, send, kept_N, pairs_G):
 @njit
 def sent_kept_exact(kept_N, send, sources):
     """``quota_matrix(kept_N, send)[:, sources].sum(0)`` without the matrix: per column the floors
-    and remainders of the split (as :func:`largest_remainder_col`), and a source takes one more
+    and remainders of the split, and a source takes one more
     where fewer than the missing units go to remainders before its own (larger, or equal at a
     lower source). O(N G (1 + len(sources))), no selection: at EP64 a few sources cost a fifth of
     the full matrix."""
@@ -1190,27 +1171,9 @@ def sent_kept_exact(kept_N, send, sources):
                 out[j] += send[c, sources[j]]
             continue
         s_fl = 0
-        if total < 2**26 and W < 2**26:  # w * total < 2^52: a float quotient is within 1 of the floor
-            fW = float(W)
-            for i in range(G):
-                p = send[c, i] * total
-                f = np.int64(p / fW)
-                r = p - f * W
-                if r < 0:
-                    f -= 1
-                    r += W
-                elif r >= W:
-                    f += 1
-                    r -= W
-                fl[i] = f
-                rm[i] = r
-                s_fl += f
-        else:
-            for i in range(G):
-                p = send[c, i] * total
-                fl[i] = p // W
-                rm[i] = p - fl[i] * W
-                s_fl += fl[i]
+        for i in range(G):
+            fl[i], rm[i] = divmod_nonneg(send[c, i] * total, W)
+            s_fl += fl[i]
         missing = total - s_fl
         for j in range(k):
             s = sources[j]

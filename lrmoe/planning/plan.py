@@ -460,6 +460,19 @@ def divmod_nonneg(a, b):
 
 
 @njit
+def pop_largest(key, n):
+    """The index of the largest of key[:n] (the first on ties), which is then set to -1: with
+    unique nonnegative keys, called missing times, the missing largest one at a time (the short
+    splits' selection)."""
+    best, at = -1, 0
+    for i in range(n):
+        if key[i] > best:
+            best, at = key[i], i
+    key[at] = -1
+    return at
+
+
+@njit
 def kth_largest(buf, n, k):
     """The k-th largest of buf[:n] (1 <= k <= n; buf is scratch: reordered; Hoare quickselect)."""
     lo, hi, target = 0, n - 1, k - 1
@@ -712,28 +725,14 @@ def cap_columns(send, over_N, lo_N, hi_N, cap_N):
             for i in range(m):
                 send[idx[i], n] = out[i]
             continue
-        inv = 1.0 / W
         placed = 0
-        for i in range(m):  # floor(v * cap / W) by a float estimate and an exact correction
-            a = send[idx[i], n] * cap
-            q = np.int64(a * inv)
-            r = a - q * W
-            while r < 0:
-                q -= 1
-                r += W
-            while r >= W:
-                q += 1
-                r -= W
+        for i in range(m):
+            q, r = divmod_nonneg(send[idx[i], n] * cap, W)
             send[idx[i], n] = q
             key[i] = r * m + (m - 1 - i)  # unique, ordered as (remainder desc, row asc)
             placed += q
         for _ in range(cap - placed):
-            best, at = -1, 0
-            for i in range(m):
-                if key[i] > best:
-                    best, at = key[i], i
-            send[idx[at], n] += 1
-            key[at] = -1
+            send[idx[pop_largest(key, m)], n] += 1
 
 
 @njit

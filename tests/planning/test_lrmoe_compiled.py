@@ -297,21 +297,28 @@ def test_greedy_at_thresholds_with_one_rank_and_no_slots():
             assert L._greedy(tau, *s.args, context=s.context) == R._greedy(tau, *s.args)
 
 
+def split_case(rng, k, sources):
+    """(kept [N], send [N, G]) of the quota-matrix tests: case k of small counts, ties everywhere
+    (k % 4 == 1), or counts >= 2**26; zero rows, kept 0..rows, kept == rows."""
+    N, G = int(rng.integers(1, 40)), int(rng.choice(sources))
+    send = rng.integers(0, [50, 3, 2**28][k % 3], (N, G))
+    send[rng.random(N) < 0.2] = 0
+    if k % 4 == 1:
+        send[:, :] = int(rng.integers(0, 3))  # ties everywhere
+    rows = send.sum(1)
+    kept = np.array([int(rng.integers(0, r + 1)) if r else 0 for r in rows])
+    kept = np.where(rng.random(N) < 0.15, rows, kept)
+    return kept, np.ascontiguousarray(send)
+
+
 def test_quota_matrix_equals_largest_remainder_cols():
     """The candidates' backward quotas per (instance, source): every column's largest remainder
     split (plan.largest_remainder_cols), zeros, ties, kept == rows, one source, counts >= 2**26."""
     from lrmoe.planning.plan import largest_remainder_cols
     rng = np.random.default_rng(995)
     for k in range(400):
-        N, G = int(rng.integers(1, 40)), int(rng.choice([1, 2, 3, 8, 64]))
-        send = rng.integers(0, [50, 3, 2**28][k % 3], (N, G))
-        send[rng.random(N) < 0.2] = 0
-        if k % 4 == 1:
-            send[:, :] = int(rng.integers(0, 3))  # ties everywhere
-        rows = send.sum(1)
-        kept = np.array([int(rng.integers(0, r + 1)) if r else 0 for r in rows])
-        kept = np.where(rng.random(N) < 0.15, rows, kept)
-        np.testing.assert_array_equal(K.quota_matrix(kept, np.ascontiguousarray(send)),
+        kept, send = split_case(rng, k, [1, 2, 3, 8, 64])
+        np.testing.assert_array_equal(K.quota_matrix(kept, send),
                                       largest_remainder_cols(kept, send.T).T)
 
 
@@ -321,15 +328,8 @@ def test_sent_kept_exact_equals_the_quota_matrix_sums():
     >= 2**26 and 64 sources."""
     rng = np.random.default_rng(997)
     for k in range(300):
-        N, G = int(rng.integers(1, 40)), int(rng.choice([1, 2, 3, 8, 17, 64]))
-        send = rng.integers(0, [50, 3, 2**28][k % 3], (N, G))
-        send[rng.random(N) < 0.2] = 0
-        if k % 4 == 1:
-            send[:, :] = int(rng.integers(0, 3))  # ties everywhere
-        rows = send.sum(1)
-        kept = np.array([int(rng.integers(0, r + 1)) if r else 0 for r in rows])
-        kept = np.where(rng.random(N) < 0.15, rows, kept)
-        send = np.ascontiguousarray(send)
+        kept, send = split_case(rng, k, [1, 2, 3, 8, 17, 64])
+        G = send.shape[1]
         full = K.quota_matrix(kept, send).sum(0)
         sources = rng.choice(G, int(rng.integers(1, G + 1)), replace=False).astype(np.int64)
         np.testing.assert_array_equal(K.sent_kept_exact(kept, send, sources), full[sources])
