@@ -8,10 +8,13 @@ A Qwen3-MoE-style model (hidden 512, expert FFN 256, top-2, ``--experts`` expert
 layers) is saved in bf16 as the released checkpoints are; each child process loads it and reports
 its peak resident memory (``VmHWM``, reset just before loading) above its resident memory then. ``rank_local``
 loads the block of experts of rank 0 of ``--ranks`` EP ranks (the block arithmetic of
-:class:`lrmoe.parallel.runtime.ExpertParallel`, without a process group) onto the CPU, so its peak
-is that rank's fp32 tensors plus what loading needed beside them (``transient``); on a GPU the
-tensors go to the device and the host keeps only the transient part (one checkpoint tensor at a
-time, plus the files' page cache, which the kernel reclaims)."""
+:class:`lrmoe.parallel.runtime.ExpertParallel`, without a process group) and the whole dense part
+onto the CPU; ``rank_local_fsdp`` is rank 0 of a fake process group of ``--ranks`` ranks with EP over
+all of them and FSDP2 (``lrmoe train --fsdp --init-from``: sharded on the meta device, then only its
+shards read), so it keeps its experts and 1/ranks of the dense part. Each peak is that rank's fp32
+tensors plus what loading needed beside them (``transient``); on a GPU the tensors go to the device
+and the host keeps only the transient part (one checkpoint tensor or shard at a time, plus the
+files' page cache, which the kernel reclaims)."""
 from __future__ import annotations
 
 import argparse
@@ -39,6 +42,10 @@ def _peak_above(base: int) -> int:
     return _status_bytes("VmHWM") - base
 
 
+def _local(p):
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
 def _child(mode: str, folder: str, ranks: int) -> dict:
     import torch
     from torch import nn
@@ -55,6 +62,25 @@ def _child(mode: str, folder: str, ranks: int) -> dict:
         base = _baseline()
         model = AutoModelForCausalLM.from_pretrained(folder, experts_implementation=hf.IMPLEMENTATION,
                                                      dtype=torch.float32)
+    elif mode == "rank_local_fsdp":
+        import torch.distributed as dist
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        from lrmoe.parallel.launch import init_distributed
+        from lrmoe.train import parallelize
+        from lrmoe.train.config import TrainConfig
+
+        # rank 0 of a fake process group of `ranks` ranks (loading makes no collective): EP over all
+        # of them and FSDP2, as `lrmoe train --ep N --fsdp --init-from` builds it
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks)
+        env = init_distributed(ep=ranks)
+        cfg = TrainConfig(model="qwen3-moe-tiny", ep=ranks, fsdp=True, micro_batch=ranks,
+                          **({"placement": "fixed"} if ranks > 1 else {}))
+        model = loading.meta_model(Path(folder))
+        parallelize.shard_experts(model, env, cfg, None)
+        parallelize.apply_scale(model, env, cfg, torch.device("cpu"))
+        base = _baseline()
+        loading.load_weights(model, "cpu")
     else:
         from lrmoe.parallel.runtime import ExpertParallel
 
@@ -70,7 +96,7 @@ def _child(mode: str, folder: str, ranks: int) -> dict:
         base = _baseline()
         loading.load_weights(model, "cpu")
     peak = _peak_above(base)
-    kept = sum(p.numel() * p.element_size() for p in model.parameters())
+    kept = sum(_local(p).numel() * p.element_size() for p in model.parameters())
     return {"mode": mode, "peak_bytes": peak, "kept_fp32_bytes": kept, "transient_bytes": peak - kept}
 
 
@@ -97,7 +123,7 @@ def main(argv=None) -> int:
         model.to(torch.bfloat16).save_pretrained(tmp)
         del model
         rows = []
-        for mode in ("from_pretrained", "rank_local"):
+        for mode in ("from_pretrained", "rank_local", "rank_local_fsdp"):
             out = subprocess.run([sys.executable, __file__, "--child", mode, tmp, str(a.ranks)], check=True,
                                  capture_output=True, text=True).stdout
             rows.append(json.loads(out.strip().splitlines()[-1]))

@@ -14,6 +14,12 @@ ranks' experts. The host holds one checkpoint tensor at a time (bf16 in the rele
 besides the files' memory map; a model on the CPU is of course in host memory. Non-persistent
 buffers (rotary frequencies) are computed again by building their module from its config.
 
+Under FSDP2 (``lrmoe train --fsdp``) the order is torchtitan's: the meta model is expert-sharded, then
+``fully_shard``-ed (still on the meta device), then :func:`load_weights` gives every module its storage
+(``to_empty``: FSDP2 keeps an offloaded module's shards on the host) and copies into each parameter
+only this rank's rows of dim 0 (FSDP2's ``Shard(0)``, ``torch.chunk``'s split), read from the files
+as slices: no rank ever holds a full dense tensor or another rank's shard, on the device or the host.
+
 :func:`checkpoint_dir` refuses a hub id that is not downloaded, with the command that fetches it,
 so that a run fails before any rank waits on another (``lrmoe train`` and ``lrmoe reproduce`` check
 every run's checkpoint first). Only the per-expert key layout of Qwen3-MoE and GLM-4.5 (and any
@@ -111,7 +117,7 @@ class _Reader:
     def __init__(self, files: dict[str, Path]):
         self.files, self._open, self._path, self.bytes_read = files, None, None, 0
 
-    def get(self, key: str) -> torch.Tensor:
+    def _file(self, key: str):
         from safetensors import safe_open
 
         path = self.files.get(key)
@@ -120,9 +126,18 @@ class _Reader:
         if path != self._path:
             self.close()
             self._open, self._path = safe_open(path, "pt").__enter__(), path
-        t = self._open.get_tensor(key)
+        return self._open
+
+    def get(self, key: str, rows: range | None = None) -> torch.Tensor:
+        """The tensor ``key``, or only its ``rows`` of dim 0 (read as a slice: the rest is never read)."""
+        f = self._file(key)
+        t = f.get_tensor(key) if rows is None else f.get_slice(key)[rows.start:rows.stop]
         self.bytes_read += t.numel() * t.element_size()
         return t
+
+    def shape(self, key: str) -> tuple:
+        """The shape of the tensor ``key`` (from the file's header)."""
+        return tuple(self._file(key).get_slice(key).get_shape())
 
     def close(self):
         if self._open is not None:
@@ -130,13 +145,22 @@ class _Reader:
         self._open = self._path = None
 
 
-def _read(reader: _Reader, name: str, module: nn.Module, shape, device, dtype) -> torch.Tensor:
-    """The model's tensor ``name`` (of ``shape``) built from the checkpoint on ``device``."""
-    out = torch.empty(shape, device=device, dtype=dtype)
+def _read(reader: _Reader, name: str, module: nn.Module, shape, device, dtype, rows: range | None = None,
+          out: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's tensor ``name`` (of ``shape``) built from the checkpoint on ``device``; with ``rows``,
+    only those rows of its dim 0 (an FSDP shard), written into ``out`` when given."""
+    rows = range(shape[0]) if rows is None and len(shape) else rows
+    local = tuple(shape) if rows is None else (len(rows), *shape[1:])
+    if out is None:
+        out = torch.empty(local, device=device, dtype=dtype)
+    elif tuple(out.shape) != local:
+        raise ValueError(f"{name}: this rank's shard has shape {tuple(out.shape)}, rows {rows.start}:{rows.stop} "
+                         f"of {tuple(shape)} have {local}")
     m = _EXPERTS.match(name)
     if m is not None and name not in reader.files:  # per-expert keys: experts.{e}.{gate,up,down}_proj.weight
         prefix = m["prefix"]
-        for i, e in enumerate(_expert_block(module, name, shape[0])):
+        block = _expert_block(module, name, shape[0])
+        for i, e in enumerate(block[rows.start:rows.stop]):
             if m["name"] == "gate_up_proj":
                 gate = reader.get(f"{prefix}.{e}.gate_proj.weight")
                 half = gate.shape[0]
@@ -145,23 +169,59 @@ def _read(reader: _Reader, name: str, module: nn.Module, shape, device, dtype) -
             else:
                 out[i].copy_(reader.get(f"{prefix}.{e}.down_proj.weight"))
         return out
-    src = reader.get(name)
     if m is not None:  # fused keys as the model names them, for all experts: this rank's rows
-        rows = _expert_block(module, name, shape[0])
-        src = src[rows.start:rows.stop]
-    if tuple(src.shape) != tuple(shape):
+        block = _expert_block(module, name, shape[0])
+        src = reader.get(name, range(block.start + rows.start, block.start + rows.stop))
+    elif rows is None or rows == range(shape[0]):
+        src = reader.get(name)
+    else:  # an FSDP shard: its rows only, once the whole tensor's shape is checked
+        full = reader.shape(name)
+        if tuple(full) != tuple(shape):
+            raise ValueError(f"checkpoint tensor {name} has shape {tuple(full)}, the model expects {tuple(shape)}")
+        src = reader.get(name, rows)
+    if tuple(src.shape) != local:
         raise ValueError(f"checkpoint tensor {name} has shape {tuple(src.shape)}, the model expects {tuple(shape)}")
     return out.copy_(src)
+
+
+def _shard_rows(p: torch.Tensor, name: str) -> range | None:
+    """The rows of dim 0 a DTensor parameter's local shard holds (FSDP2's ``Shard(0)`` over a 1-D mesh:
+    ``torch.chunk``'s split), None for a plain tensor; anything else is refused by name."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(p, DTensor):
+        return None
+    mesh, placements = p.device_mesh, tuple(p.placements)
+    if placements == (Replicate(),) * len(placements):
+        return range(p.shape[0])
+    if mesh.ndim != 1 or placements != (Shard(0),):
+        raise ValueError(f"{name}: load_weights reads FSDP2's Shard(0) over a 1-D mesh, got {placements} over "
+                         f"{mesh.ndim} dimensions")
+    n, size, index = p.shape[0], mesh.size(), mesh.get_local_rank()
+    step = -(-n // size)
+    start = min(index * step, n)
+    return range(start, min(start + step, n))
 
 
 @torch.no_grad()
 def load_weights(model: nn.Module, device: torch.device | str, dtype: torch.dtype | None = None) -> dict:
     """Materialise a :func:`meta_model` (sharded or not) on ``device`` from its checkpoint; returns
     ``{"bytes_read": ..., "tensors": ...}``. Parameters keep their identity-level marks (the EP
-    runtime's) and ties; ``dtype`` (default: each parameter's own) is the dtype they get."""
+    runtime's) and ties; ``dtype`` (default: each parameter's own) is the dtype they get.
+
+    A model ``fully_shard``-ed on the meta device (FSDP2, module docstring) is given its storage by
+    ``to_empty`` and each parameter's local shard is filled in place (``dtype`` must then be None:
+    FSDP2 fixed the dtypes when it sharded)."""
+    from torch.distributed.tensor import DTensor
+
     folder = Path(getattr(model, CHECKPOINT_ATTR))
     reader = _Reader(_file_of_key(folder))
     device = torch.device(device)
+    sharded = any(isinstance(p, DTensor) for p in model.parameters())
+    if sharded:
+        if dtype is not None:
+            raise ValueError("load_weights into an FSDP2-sharded model keeps the parameters' dtypes (dtype=None)")
+        model.to_empty(device=device)  # FSDP2's _apply: offloaded modules' shards move to the host
     done: dict[int, nn.Parameter] = {}  # tied parameters: one tensor
     missing = []
     try:
@@ -174,6 +234,11 @@ def load_weights(model: nn.Module, device: torch.device | str, dtype: torch.dtyp
                     continue
                 name = f"{mname}.{pname}" if mname else pname
                 try:
+                    if sharded:  # in place: FSDP2 holds these very tensors
+                        local = p.to_local() if isinstance(p, DTensor) else p.data
+                        _read(reader, name, module, p.shape, local.device, local.dtype, _shard_rows(p, name), local)
+                        done[id(p)] = p
+                        continue
                     t = _read(reader, name, module, p.shape, device, dtype or p.dtype)
                 except KeyError:
                     missing.append(name)
@@ -195,7 +260,7 @@ def load_weights(model: nn.Module, device: torch.device | str, dtype: torch.dtyp
         raise ValueError(f"checkpoint {folder} lacks {len(missing)} tensors the model needs, e.g. {missing[:5]} "
                          f"(is it a checkpoint of this model type, {type(model).__name__}?)")
     _rebuild_non_persistent(model, device)
-    if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "tie_weights"):
+    if not sharded and getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "tie_weights"):
         model.tie_weights()
     delattr(model, CHECKPOINT_ATTR)
     return {"bytes_read": reader.bytes_read, "tensors": len(done)}

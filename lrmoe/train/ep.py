@@ -60,6 +60,11 @@ COMM_KEYS = ("fwd_weights", "fwd_dispatch", "fwd_combine", "fwd_phi", "bwd_grad_
              "bwd_weight_grads")
 
 
+def host_threads(cpus: int | None, ranks_per_node: int) -> int:
+    """CPU threads per rank when the ranks of a node share its ``cpus`` cores (at least 1)."""
+    return max(1, (cpus or 1) // max(1, ranks_per_node))
+
+
 def world_size_from_env() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
@@ -110,8 +115,11 @@ class DistributedRunner:
         self.device = self.env.device
         if self.device.type == "cpu":
             torch.set_num_threads(cfg.threads or 1)  # ranks share the cores: one thread each by default
-        elif cfg.threads:
-            torch.set_num_threads(cfg.threads)
+        elif cfg.threads or cfg.offload != "none":
+            # offloaded state is stepped by AdamW on the host: the node's cores shared by its ranks
+            # (torchrun sets OMP_NUM_THREADS=1, which would step it on one core per rank)
+            torch.set_num_threads(cfg.threads or host_threads(len(os.sched_getaffinity(0)),
+                                                              int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
         self.rank, self.world = self.env.rank, self.env.world_size
         self.is_main = self.env.is_main
         self.eps: list[ExpertParallel] = []
@@ -137,10 +145,13 @@ class DistributedRunner:
 
     def build_model(self, make, policy):
         """``make()`` the full model, shard its experts over the EP group (ep > 1), move it to the
-        device and equalise the dense weights. A checkpoint (``init_from``: ``make`` returns a meta
-        model) is read rank-locally, each rank only what it keeps, by every rank at once
-        (:mod:`lrmoe.hf.loading`); a randomly initialised model is built in full by the ranks of a node
-        in turns of ``cfg.load_concurrency`` (each holds a full copy only until it has sharded it)."""
+        device and equalise the dense weights, then activation checkpointing and FSDP2
+        (:func:`lrmoe.train.parallelize.apply_scale`). A checkpoint (``init_from``: ``make`` returns a
+        meta model) is read rank-locally, each rank only what it keeps, by every rank at once
+        (:mod:`lrmoe.hf.loading`); with FSDP the meta model is sharded first (torchtitan's order), so
+        a rank reads and stores only its shard of every dense tensor, never the full fp32 model. A
+        randomly initialised model is built in full by the ranks of a node in turns of
+        ``cfg.load_concurrency`` (each holds a full copy only until it has sharded it)."""
         from .. import hf
         from ..hf import loading
         from ..parallel.launch import in_turns
@@ -150,6 +161,10 @@ class DistributedRunner:
             self.num_experts = int(mods[0].gate_up_proj.shape[0]) if mods else 0
             self.eps = parallelize.shard_experts(model, self.env, self.cfg, policy)
             if loading.is_meta(model):
+                if self.cfg.fsdp:  # every rank reads the same files: no broadcast needed
+                    parallelize.apply_scale(model, self.env, self.cfg, self.device)
+                    loading.load_weights(model, self.device)  # (offloaded shards stay on the host)
+                    return model
                 loading.load_weights(model, self.device)
             return model.to(self.device)
 
@@ -157,8 +172,9 @@ class DistributedRunner:
             model = in_turns(lambda: build(make()), self.cfg.load_concurrency)
         else:
             model = build(make())
-        ep_hf.broadcast_dense_params(model, src=0)
-        parallelize.apply_scale(model, self.env, self.cfg, self.device)
+        if not (self.cfg.init_from and self.cfg.fsdp):
+            ep_hf.broadcast_dense_params(model, src=0)
+            parallelize.apply_scale(model, self.env, self.cfg, self.device)
         return model
 
     def describe(self) -> dict:

@@ -37,8 +37,9 @@ def shard_experts(model, env, cfg, policy) -> list:
 
 def apply_scale(model, env, cfg, device: torch.device):
     """Activation checkpointing (``cfg.activation_checkpointing``) then FSDP2 (``cfg.fsdp``, with
-    ``cfg.offload``) on a model already on ``device``; returns it. (``env``: None without a process
-    group, then FSDP is refused by the config's checks before this.)"""
+    ``cfg.offload``) on a model already on ``device``, or still on the meta device (a checkpoint's:
+    :func:`lrmoe.hf.loading.load_weights` then fills each rank's shards); returns it. (``env``: None
+    without a process group, then FSDP is refused by the config's checks before this.)"""
     if cfg.activation_checkpointing:  # before FSDP: its hooks stay around each layer's call
         checkpoint_layers(model)
     if cfg.fsdp:

@@ -141,7 +141,8 @@ RUN = dict(model="qwen3-moe-tiny", tokenizer="bpe:300", seq_len=64, micro_batch=
 
 
 def test_train_init_from_on_two_ep_ranks_equals_one_process(tmp_path):
-    """`lrmoe train --init-from FOLDER`: single process and 2 EP ranks (each reading its experts) agree."""
+    """`lrmoe train --init-from FOLDER`: single process and 2 EP ranks (each reading its experts) agree,
+    also with FSDP (each rank reading only its shards of the meta-sharded model)."""
     if not TINY.exists():
         pytest.skip(f"offline Alpaca sample not found at {TINY} (set LRMOE_SHARED_DATA to the shared/data folder)")
     folder = _saved(tmp_path, "qwen3-moe-tiny", vocab_size=300)
@@ -153,27 +154,88 @@ def test_train_init_from_on_two_ep_ranks_equals_one_process(tmp_path):
         for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             mp.delenv(k, raising=False)
         train(TrainConfig(**cfg, threads=1), tmp_path / "single", progress=False)
-    torchrun(tmp_path / "ep2", dict(cfg, ep=2, placement="fixed"), env=env)
-    a, b = read_metrics(tmp_path / "single"), read_metrics(tmp_path / "ep2")
-    la = [r["loss"] for r in a if "loss" in r]
-    lb = [r["loss"] for r in b if "loss" in r]
-    assert len(la) == len(lb) == RUN["steps"]
-    for x, y in zip(la, lb):
-        assert abs(x - y) <= 1e-4 * abs(x), (la, lb)
-    summary = json.loads((tmp_path / "ep2" / "summary.json").read_text())
-    assert summary["status"] == "done"
+    la = [r["loss"] for r in read_metrics(tmp_path / "single") if "loss" in r]
+    assert len(la) == RUN["steps"]
+    for name, extra in (("ep2", {}), ("ep2-fsdp", {"fsdp": True})):
+        torchrun(tmp_path / name, dict(cfg, ep=2, placement="fixed", **extra), env=env)
+        lb = [r["loss"] for r in read_metrics(tmp_path / name) if "loss" in r]
+        assert len(lb) == RUN["steps"]
+        for x, y in zip(la, lb):
+            assert abs(x - y) <= 1e-4 * abs(x), (name, la, lb)
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert summary["status"] == "done"
 
 
 def test_host_memory_of_rank_local_loading(tmp_path):
     """Measured (scripts/loading_memory.py): rank 0 of 8 holds its fp32 tensors plus at most the
-    checkpoint's size (the part of the files it maps), far below from_pretrained's full fp32 copy."""
+    checkpoint's size (the part of the files it maps), far below from_pretrained's full fp32 copy;
+    with FSDP (sharded on the meta device first) it holds and reads only its shards of the dense part."""
     out = tmp_path / "mem.json"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "loading_memory.py"), "--layers", "2", "--experts", "32",
                     "--ranks", "8", "--json", str(out)], cwd=ROOT, check=True, capture_output=True, timeout=300,
                    env=dict(os.environ, OMP_NUM_THREADS="1"))
     res = json.loads(out.read_text())
-    old, new = (next(r for r in res["rows"] if r["mode"] == m) for m in ("from_pretrained", "rank_local"))
+    old, new, fsdp = (next(r for r in res["rows"] if r["mode"] == m)
+                      for m in ("from_pretrained", "rank_local", "rank_local_fsdp"))
     assert old["kept_fp32_bytes"] == 2 * res["bf16_model_bytes"]
     assert new["kept_fp32_bytes"] < old["kept_fp32_bytes"] / 2  # dense + 1/8 of the experts
     assert new["transient_bytes"] <= res["bf16_model_bytes"]
     assert new["peak_bytes"] < old["peak_bytes"] / 3
+    # with FSDP: 1/8 of the dense part too (its shards only ever read), so less kept and less read
+    assert fsdp["kept_fp32_bytes"] < new["kept_fp32_bytes"] and fsdp["peak_bytes"] < new["peak_bytes"]
+    assert fsdp["transient_bytes"] <= res["bf16_model_bytes"]
+
+
+def _fsdp_loaded(folder: Path, preset: str, world: int, ep: int, rank: int):
+    """Rank ``rank`` of a fake process group of ``world`` ranks (no other process: loading needs no
+    collective): the meta model expert-sharded (ep > 1), FSDP2-sharded, then loaded."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lrmoe.parallel.launch import init_distributed
+    from lrmoe.train import parallelize
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    env = init_distributed(ep=ep)
+    cfg = TrainConfig(model=preset, ep=ep, fsdp=True, **({"placement": "fixed"} if ep > 1 else {}))
+    model = loading.meta_model(folder)
+    parallelize.shard_experts(model, env, cfg, None)
+    parallelize.apply_scale(model, env, cfg, torch.device("cpu"))
+    assert all(p.is_meta for p in model.parameters())
+    return model, loading.load_weights(model, "cpu")
+
+
+@pytest.mark.parametrize("preset,world,ep,rank", [("qwen3-moe-tiny", 4, 2, 3), ("glm4-moe-tiny", 3, 1, 2),
+                                                  ("qwen3-moe-tiny", 2, 2, 0)])
+def test_fsdp_rank_reads_only_its_shards(tmp_path, preset, world, ep, rank):
+    """FSDP (`lrmoe train --fsdp --init-from`): the model is sharded on the meta device first, and
+    each parameter's local shard is then read from the files: equal to torch's own split of the
+    from_pretrained tensor (``distribute_tensor``; experts: the EP block first), and the rank reads
+    only its shards' bytes, never a full dense tensor."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from lrmoe.parallel.runtime import ExpertParallel
+
+    folder = _saved(tmp_path, preset, tie_word_embeddings=False)
+    ref = dict(_reference(folder).named_parameters())
+    try:
+        model, stats = _fsdp_loaded(folder, preset, world, ep, rank)
+        local_bf16 = 0
+        for name, p in model.named_parameters():
+            assert isinstance(p, DTensor) and not p.to_local().is_meta, name
+            full = ref[name].detach()
+            owner = model.get_submodule(name.rsplit(".", 1)[0])
+            block = getattr(owner, "lrmoe_ep", None)
+            if isinstance(block, ExpertParallel):
+                full = full[block.local_experts.start:block.local_experts.stop]
+            want = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+            assert p.dtype == torch.float32 and torch.equal(p.to_local(), want), name
+            local_bf16 += 2 * want.numel()
+        buffers = sum(2 * b.numel() for n, b in model.named_buffers() if "rotary" not in n)
+        assert stats["tensors"] == len(ref)
+        assert stats["bytes_read"] <= local_bf16 + buffers
+        total_bf16 = 2 * sum(t.numel() for t in ref.values())
+        assert stats["bytes_read"] < total_bf16 / (world / 1.5)
+    finally:
+        dist.destroy_process_group()
