@@ -6,8 +6,9 @@ Each pending run's peak memory per GPU comes from :func:`lrmoe.train.estimate.es
 that do. Estimates are read from the committed ``results/memory/estimates.json`` (made by
 ``lrmoe estimate-memory ... --save``) or from ``<out>/memory_estimates.json``; a missing one is
 computed (about a minute each on a server CPU) and stored in ``<out>``. A run whose estimate plus
-overhead exceeds the GPU's memory, or whose offloaded state exceeds the node's host memory, is
-refused with the estimate and what would fit. ``lrmoe reproduce --dry-run`` prints the stored
+overhead exceeds the GPU's memory, or whose offloaded state (plus a round figure per process,
+:data:`HOST_PER_PROCESS_GIB`) exceeds the node's available host memory, is refused with the
+estimate and where the other configurations are. ``lrmoe reproduce --dry-run`` prints the stored
 estimates as a column and never computes one."""
 from __future__ import annotations
 
@@ -96,18 +97,33 @@ def check(pending: list, world: int, out: Path, gpu_bytes: int, host_bytes: int,
                 refusals.append(f"  {r.name}: as {seen[key]}")
             continue
         gpu_gib, host_gib = gpu_bytes / GIB, host_bytes / GIB
-        need_host = e.get("offloaded_to_host_gib", 0.0) * world
+        offloaded = e.get("offloaded_to_host_gib", 0.0)
+        need_host = host_need_gib(offloaded, world)
         why = []
         if e["peak_gib"] > gpu_gib:
             why.append(f"estimated {e['peak_gib']:.1f} GiB per GPU (with {e['overhead_gib']:.0f} GiB overhead) > "
                        f"this GPU's {gpu_gib:.1f} GiB")
-        if need_host > host_gib:
+        if offloaded and need_host > host_gib:
             why.append(f"its offloaded state needs {need_host:.0f} GiB of host memory on this node "
-                       f"({e['offloaded_to_host_gib']:.0f} GiB per GPU x {world}) > {host_gib:.0f} GiB here")
+                       f"({offloaded:.0f} GiB per GPU + {HOST_PER_PROCESS_GIB:.0f} GiB per process, x {world}) > "
+                       f"{host_gib:.0f} GiB available here; docs/memory.md lists the configurations estimated "
+                       f"(more GPUs without offload)")
         seen[key] = r.name if why else None
         if why:
             refusals.append(f"  {r.name}: " + "; ".join(why))
     return refusals
+
+
+#: host memory of one training process beside its offloaded state: the CUDA context and torch's
+#: libraries, the tokenised data, pinned staging buffers (a round figure, not measured on a GPU node)
+HOST_PER_PROCESS_GIB = 6.0
+
+
+def host_need_gib(offloaded_gib: float, processes: int) -> float:
+    """Host memory a node's ``processes`` ranks need when each keeps ``offloaded_gib`` on the host
+    (pinned: it cannot be swapped out). The checkpoint's pages while loading are page cache, which
+    the kernel reclaims, so they are not counted."""
+    return (offloaded_gib + HOST_PER_PROCESS_GIB) * processes
 
 
 def _estimate(config: dict, world: int) -> dict:
@@ -127,5 +143,18 @@ def machine_memory() -> tuple[int, int] | None:
 
     if not torch.cuda.is_available():
         return None
-    return (torch.cuda.get_device_properties(0).total_memory,
-            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return torch.cuda.get_device_properties(0).total_memory, host_available_bytes()
+
+
+def host_available_bytes() -> int:
+    """The host memory available now (``MemAvailable`` of /proc/meminfo; the physical memory where
+    the kernel does not report it)."""
+    import os
+
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

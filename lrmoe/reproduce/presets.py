@@ -136,8 +136,8 @@ PRESETS: dict[str, Preset] = {
         family_config={"qwen3": {"init_from": "Qwen/Qwen3-30B-A3B", "tokenizer": "Qwen/Qwen3-30B-A3B"},
                        "glm4": {"init_from": "zai-org/GLM-4.5-Air", "tokenizer": "zai-org/GLM-4.5-Air"}},
         e2_seeds=(0, 1, 2), jobs=1, launcher="torchrun", nproc=8,
-        hardware="8x NVIDIA Hopper (80 GiB), EP8; host memory: 0.5 TB (Qwen3) and 1.5 TB (GLM-4.5-Air) for the "
-                 "offloaded expert state (estimated, docs/memory.md)",
+        hardware="8x NVIDIA Hopper (80 GiB), EP8; host memory available: 480 GiB (Qwen3) and 1.5 TiB "
+                 "(GLM-4.5-Air) for the offloaded expert state and the 8 processes (estimated, docs/memory.md)",
         # E3: every method at EP8 with its own placement (the base's lrmoe replaced), each recording its
         # routing trace; T3/F4 then read their logged MoE-layer times ("measured, 8 x GPU") beside the
         # simulated replay. One seed: each run costs as much as an E1 run. LRMoE at C20 is E1's C20 run

@@ -112,7 +112,8 @@ class TrainConfig:
         "seed": "seed of model initialisation and of the batch order",
         "device": "auto, cpu, cuda, cuda:N",
         "dtype": "auto (bf16 autocast on GPU, fp32 on CPU), fp32, bf16 (autocast)",
-        "threads": "torch CPU threads (default: torch's choice)",
+        "threads": "torch CPU threads per process (default: 1 per rank on the CPU; on GPUs with offload, the "
+                   "node's cores shared by its ranks, for AdamW's host step; else torch's choice)",
         "eval_interval": "evaluate on the held-out split every N steps (0: only after the last step)",
         "eval_batches": "held-out micro-batches per evaluation (default: the whole split)",
         "log_interval": "progress-bar refresh interval in steps (metrics.jsonl gets every step)",

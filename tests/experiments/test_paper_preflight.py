@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -65,6 +66,19 @@ def test_memory_check_estimates_each_memory_config_once_and_refuses_what_does_no
     host = memory_check.check(runs, 8, tmp_path, 141 * GIB, 64 * GIB, estimate=est2, say=lambda s: None)
     assert host and all("host memory" in line or "as " in line for line in host)
     assert len([line for line in host if "as " not in line]) == len(keys)
+    # each process needs more than its offloaded state: (10 + 6) GiB x 8 = 128 GiB > 100 GiB
+    assert memory_check.host_need_gib(10.0, 8) == (10.0 + memory_check.HOST_PER_PROCESS_GIB) * 8
+    tight = memory_check.check(runs, 8, tmp_path, 141 * GIB, 100 * GIB, estimate=est2, say=lambda s: None)
+    assert tight and "per process" in tight[0] and "docs/memory.md" in tight[0]
+    assert not memory_check.check(runs, 8, tmp_path, 141 * GIB, 129 * GIB, estimate=est2, say=lambda s: None)
+
+
+def test_host_memory_available_and_threads_per_rank():
+    assert 0 < memory_check.host_available_bytes() <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    from lrmoe.train.ep import host_threads
+
+    assert host_threads(16, 8) == 2 and host_threads(192, 8) == 24
+    assert host_threads(4, 8) == 1 and host_threads(None, 8) == 1 and host_threads(16, 0) == 16
 
 
 def test_dry_run_column(tmp_path):
