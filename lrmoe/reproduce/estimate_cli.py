@@ -34,6 +34,10 @@ def register_cli(sub) -> None:
     p.add_argument("--trace-steps", type=int, default=2, help="training steps traced (default 2: the second has the "
                                                         "optimizer state from the start)")
     p.add_argument("--doc-len", type=int, default=None, help="tokens per packed document (default 512)")
+    p.add_argument("--demand", default="balanced",
+                   help="the routing the planners size token buffers for, fake tensors having no values: balanced "
+                        "(default) or one step of a simulator workload (lognormal, powerlaw, hot_experts, hot_rank: "
+                        "rank 0's experts 4x as popular, ...; `lrmoe simulate --list`)")
     p.add_argument("--json", type=Path, default=None, help="also write the estimate here")
     p.add_argument("--save", type=Path, nargs="?", const=Path("results/memory/estimates.json"), default=None,
                    help="add the estimate to an estimates file that `lrmoe reproduce` reads before launching "
@@ -70,6 +74,10 @@ def config_of(args) -> tuple[TrainConfig, int, int | None]:
         cfg.pop(k, None)
     cfg = TrainConfig.from_dict(cfg)
     world = args.world or world or cfg.ep
+    from ..train.estimate import demands
+
+    if args.demand not in demands():
+        raise ValueError(f"--demand {args.demand!r}: accepted {', '.join(demands())}")
     if args.trace_steps < 1 or args.gpu_gib <= 0 or args.overhead_gib < 0:
         raise ValueError(f"--trace-steps must be >= 1, --gpu-gib > 0 and --overhead-gib >= 0; got {args.trace_steps}, "
                          f"{args.gpu_gib}, {args.overhead_gib}")
@@ -82,7 +90,7 @@ def _cli(args) -> int:
     try:
         cfg, world, model_vocab = config_of(args)
         res = estimate_memory(cfg, world, gpu_gib=args.gpu_gib, overhead_gib=args.overhead_gib, steps=args.trace_steps,
-                              model_vocab=model_vocab,
+                              model_vocab=model_vocab, demand=args.demand,
                               doc_len=args.doc_len, progress=lambda line: print(line, file=sys.stderr, flush=True))
     except ValueError as e:
         print(f"lrmoe estimate-memory: {e}", file=sys.stderr)

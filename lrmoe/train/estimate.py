@@ -16,8 +16,13 @@ parameters and gradients).
 What it stands on, stated in its result:
 
 * **Demand.** Fake routing has no values: every expert-parallel layer plans from a *stated* demand
-  (:mod:`lrmoe.parallel.fake`; default balanced: each source rank's pairs spread evenly over the
-  experts), so the token buffers the plan sizes are those of that demand.
+  (:mod:`lrmoe.parallel.fake`): ``balanced`` (default: each source rank's pairs spread evenly over
+  the experts), or one step of a simulator workload (:mod:`lrmoe.sim.workloads`, seed 0, its default
+  parameters; ``hot_rank`` makes rank 0's own experts 4x as popular, the worst case for the rank
+  estimated under fixed ownership), so the token buffers the plan sizes are those of that demand.
+  The result also gives the planner's own token-buffer bytes of rank 0 in its largest MoE layer
+  (``token_buffers_gib``: dispatch/combine, saved activations, backward buffers; these are counted
+  by the tracker inside Activation and Temp).
 * **Device.** This CPU build of torch cannot run fake CUDA tensors, so the step runs as on a CUDA
   rank (bf16 autocast, flex attention over packed documents, fused AdamW's state) but on fake CPU
   tensors; every byte the tracker counts is the GPU's, except what ``offload`` puts on the host:
@@ -47,7 +52,32 @@ import time
 import torch
 
 GIB = 2 ** 30
-DEMANDS = ("balanced",)
+def demands() -> tuple[str, ...]:
+    """The demands an estimate accepts: ``balanced`` (exactly even) and the simulator's workloads."""
+    from ..sim.workloads import WORKLOADS
+
+    return ("balanced", *(n for n in WORKLOADS.names() if n != "balanced"))
+
+
+def demand_fn(name: str, top_k: int):
+    """``fn(G, E, pairs)`` of a stated demand (:func:`demands`): balanced, or one step of the named
+    workload (seed 0, default parameters; every source rank ``pairs / top_k`` tokens)."""
+    import functools
+
+    from ..parallel import fake
+
+    if name == "balanced":
+        return fake.balanced
+    if name not in demands():
+        raise ValueError(f"demand {name!r}: accepted {list(demands())}")
+    from ..sim.workloads import synthetic_trace
+
+    @functools.lru_cache(maxsize=8)
+    def fn(G, E, pairs):
+        return synthetic_trace(name, steps=1, layers=1, num_ranks=G, num_experts=E, tokens_per_rank=pairs // top_k,
+                               top_k=top_k).counts[0, 0]
+
+    return fn
 
 
 def _fake_group(world: int):
@@ -122,12 +152,13 @@ def estimate_memory(cfg, world: int, *, gpu_gib: float = 80.0, overhead_gib: flo
     from .. import hf
     from ..hf.attention import SDPA
     from ..kernels.host import emulate_accelerator
+    from ..parallel.fake import stated_demand
     from ..parallel.launch import init_distributed, shutdown
     from .loss import causal_lm_loss
     from .parallelize import apply_scale, compute_bf16, shard_experts
 
-    if demand not in DEMANDS:
-        raise ValueError(f"demand {demand!r}: accepted {list(DEMANDS)}")
+    if demand not in demands():
+        raise ValueError(f"demand {demand!r}: accepted {list(demands())}")
     if world < 1 or world % cfg.ep or cfg.micro_batch % world:
         raise ValueError(f"world {world} must be a multiple of ep ({cfg.ep}) that divides micro_batch "
                          f"({cfg.micro_batch})")
@@ -160,7 +191,8 @@ def estimate_memory(cfg, world: int, *, gpu_gib: float = 80.0, overhead_gib: flo
                                     eps=cfg.eps, foreach=False)  # (see the module docstring: Optimizer)
             tracker = _tracker(model, opt)
             step_s = []
-            with tracker:
+            stated = demand_fn(demand, int(model.config.num_experts_per_tok))
+            with tracker, stated_demand(stated):
                 for s in range(steps):
                     t = time.perf_counter()
                     opt.zero_grad(set_to_none=True)
@@ -175,6 +207,7 @@ def estimate_memory(cfg, world: int, *, gpu_gib: float = 80.0, overhead_gib: flo
                     step_s.append(time.perf_counter() - t)
                     say(f"step {s + 1}/{steps}: {step_s[-1]:.1f} s")
             peak = tracker.get_tracker_snapshot("peak")
+            token_bytes = _token_buffer_bytes(eps)
             host = _moved_to_host(model, opt, cfg.offload)
             held = _held(model, opt)
     finally:
@@ -191,12 +224,23 @@ def estimate_memory(cfg, world: int, *, gpu_gib: float = 80.0, overhead_gib: flo
             "activation_checkpointing": cfg.activation_checkpointing, "bf16": bf16,
             "tokens_per_rank": rows * cfg.seq_len, "grad_accum": cfg.grad_accum or 1, "placement": cfg.placement,
             "drop_ratio": cfg.drop_ratio, "demand": demand, "doc_len": doc_len, "vocab": vocab,
-            "categories_gib": cats, "held_after_step_gib": held, "counted_peak_gib": counted, "offloaded_to_host_gib": host / GIB,
+            "categories_gib": cats, "token_buffers_gib": None if token_bytes is None else token_bytes / GIB,
+            "held_after_step_gib": held, "counted_peak_gib": counted, "offloaded_to_host_gib": host / GIB,
             "overhead_gib": overhead_gib, "peak_gib": total, "gpu_gib": gpu_gib,
             "fits": total <= gpu_gib, "headroom_gib": gpu_gib - total, "moe_layers": len(eps) or len(hf.experts_modules(model)),
             "estimate_s": time.perf_counter() - t0, "step_s": step_s,
             "method": "the real training step of rank 0 under FakeTensorMode with a fake process group; torch's "
                       "memory tracker (lrmoe.train.estimate)"}
+
+
+def _token_buffer_bytes(eps) -> int | None:
+    """Rank 0's token buffers in its largest MoE layer by the planner's memory model (the last step's
+    plans; a split layer's pieces run one after the other: its largest piece), None without EP."""
+    sizes = []
+    for ep in eps:
+        plans = ep.last_plan if isinstance(ep.last_plan, list) else [ep.last_plan]
+        sizes += [int(p.memory.tokens_G[0]) for p in plans if p is not None]
+    return max(sizes) if sizes else None
 
 
 def _name(category) -> str:
@@ -251,6 +295,9 @@ def table(res: dict) -> str:
              f"{'category':24} {'GiB':>8}"]
     for k, v in sorted(res["categories_gib"].items(), key=lambda kv: -kv[1]):
         lines.append(f"{k:24} {v:8.2f}")
+    if res.get("token_buffers_gib") is not None:
+        lines.append(f"{'(token buffers, 1 layer)':24} {res['token_buffers_gib']:8.2f}   the planner's model, "
+                     f"inside Activation/Temp")
     lines += [f"{'counted peak':24} {res['counted_peak_gib']:8.2f}",
               f"{'- offloaded to the host':24} {res['offloaded_to_host_gib']:8.2f}",
               f"{'+ allocator/NCCL/context':24} {res['overhead_gib']:8.2f}",

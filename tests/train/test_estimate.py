@@ -137,6 +137,7 @@ def test_sharded_state_is_the_tensors_bytes_and_offload_moves_the_experts():
     (["--preset", "paper", "--run", "x"], "preset 'paper' has no run 'x'; accepted: glm4-C00-s0"),
     (["--model", "qwen3-moe-tiny", "--ep", "2", "--world", "3"], "world 3 must be a multiple of ep (2)"),
     (["--model", "qwen3-moe-tiny", "--trace-steps", "0"], "--trace-steps must be >= 1"),
+    (["--model", "qwen3-moe-tiny", "--demand", "skewed"], "--demand 'skewed': accepted balanced, burst, hot_experts, hot_rank"),
 ])
 def test_cli_errors_before_any_work(argv, msg, capsys):
     assert main(["estimate-memory", *argv]) == 2
@@ -166,3 +167,21 @@ def test_a_run_from_scratch_has_its_tokenizers_embeddings():
     assert run_vocab({"tokenizer": "my_vocab.json,my_merges.txt"}) is None
     run = next(r for r in PRESETS["gpu1"].runs() if r.name == "qwen3-C20-lrm-s0")
     assert run_vocab(dict(run.config)) == 32768
+
+
+def test_a_stated_skewed_demand_sizes_the_token_buffers():
+    """--demand: one step of a simulator workload instead of the balanced split. Under fixed ownership
+    hot_rank (rank 0's experts 4x as popular) gives rank 0 more received rows than balanced: larger
+    token buffers by the planner's model, and a peak at least as large."""
+    from lrmoe.train.estimate import demand_fn, demands
+
+    assert demands()[0] == "balanced" and {"lognormal", "powerlaw", "hot_rank"} <= set(demands())
+    d = demand_fn("hot_rank", 2)(4, 8, 2 * 96)
+    assert d.shape == (4, 8) and (d.sum(1) == 2 * 96).all() and (d <= 96).all()
+    assert d[:, :2].sum() > 2 * d[:, 2:4].sum()  # rank 0 owns experts 0-1 (8 experts over 4 ranks)
+    cfg = TrainConfig(**dict(TINY, ep=2, placement="fixed"))
+    even = estimate_memory(cfg, 2, doc_len=64)
+    hot = estimate_memory(cfg, 2, doc_len=64, demand="hot_rank")
+    assert even["demand"] == "balanced" and hot["demand"] == "hot_rank"
+    assert hot["token_buffers_gib"] > 1.2 * even["token_buffers_gib"] > 0
+    assert hot["counted_peak_gib"] >= even["counted_peak_gib"]
