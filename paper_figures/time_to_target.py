@@ -60,6 +60,8 @@ METHOD_NAMES = {"fixed": "Fixed ownership (Megatron)", "symi": "SYMI (capacity 1
                 "symi-cf125": "SYMI (capacity 1.25)", "symi-dropless": "SYMI (dropless)", "ultraep": "UltraEP",
                 "lrmoe": "LRMoE (C20)"}
 SYMI_VARIANTS = ("symi", "symi-cf125", "symi-dropless")
+#: the methods LRMoE is compared with, pairwise per seed (:func:`lrmoe_against`)
+BASELINES = ("fixed", *SYMI_VARIANTS, "ultraep")
 
 
 def method_of(config: dict) -> str:
@@ -284,14 +286,28 @@ def seed_data(res: Results, family: str, runs: dict[str, Run], say=None) -> dict
     for pl, m in methods.items():
         for j, rc in enumerate(m["reach"]):
             for kind in KINDS:
-                a = rc.get(f"{kind}_s")
-                b = symi["reach"][j].get(f"{kind}_s") if symi else None
-                rc[f"{kind}_vs_symi_pct"] = 100 * (1 - a / b) if a is not None and b else None
-                # SYMI never reached the target: it needs more than its whole run, a lower bound
-                total = (symi.get(f"{kind}_cum_s") or [None])[-1] if symi else None
-                rc[f"{kind}_vs_symi_pct_at_least"] = (100 * (1 - a / total) if a is not None and b is None
-                                                      and symi["reach"][j]["step"] is None and total else None)
+                v, bound = reduction(m, symi, j, kind) if symi else (None, False)
+                rc[f"{kind}_vs_symi_pct"] = None if bound else v
+                rc[f"{kind}_vs_symi_pct_at_least"] = v if bound else None
     return {"seed": c0.seed, "steps": len(c0.rows), "window": win, "targets": tgs, "methods": methods}
+
+
+def reduction(m: dict, base: dict, j: int, kind: str) -> tuple[float | None, bool]:
+    """How much less ``kind`` time method ``m`` needs than ``base`` to target ``j`` (both one seed's
+    :func:`seed_data` entries), in %: ``(100 (1 − t_m / t_base), False)`` when both reach it;
+    ``(100 (1 − t_m / base's whole run), True)``, a lower bound, when only ``m`` does (the baseline
+    needs more than its whole run: censored); ``(None, False)`` when ``m`` never reaches it (or has
+    no time of this kind)."""
+    a = m["reach"][j].get(f"{kind}_s")
+    if a is None:
+        return None, False
+    b = base["reach"][j].get(f"{kind}_s")
+    if b is not None:
+        return (100 * (1 - a / b), False) if b else (None, False)
+    total = (base.get(f"{kind}_cum_s") or [None])[-1]
+    if base["reach"][j]["step"] is None and total:
+        return 100 * (1 - a / total), True
+    return None, False
 
 
 def summarise(seeds: list[dict]) -> dict[str, list[dict]]:
@@ -343,22 +359,60 @@ def t3_data(res: Results, say=None) -> list[dict]:
                     "torchrun": int(c0.config.get("ep") or 1) > 1, "measured_on": where,
                     "seeds": seeds, "summary": summarise(seeds), "fractions": list(TARGET_FRACTIONS),
                     "scenario": SCENARIO_OF[family], "hardware_model": HARDWARE})
-    _holm_vs_symi(out)
     for fam in out:
+        fam["lrmoe_vs"] = lrmoe_against(fam)
         fam["steps_vs_lrmoe"] = steps_vs_lrmoe(fam)
+    _holm(out)
     return out
 
 
-def _holm_vs_symi(data: list[dict]) -> None:
-    """Holm's correction across the table's comparisons with SYMI, one family of tests per time
-    column (kind): every method × target × model cell with an exact paired reduction (no lower bound)
-    gets ``p_holm`` beside its t-test ``p``."""
+def lrmoe_against(fam: dict) -> list[dict]:
+    """LRMoE's paired reduction against every other method of the family (:data:`BASELINES` order),
+    per target and time kind: per seed :func:`reduction` against the same seed's run of the baseline,
+    then :func:`lrmoe.stats.estimate` over the seeds (``<kind>_pct``). Censoring as for the "vs SYMI"
+    columns: a seed whose baseline never reaches the target enters as a lower bound (counted in
+    ``<kind>_bounds``: the mean is then a lower bound, no test); a seed where LRMoE never reaches it
+    is counted in ``<kind>_lrmoe_not_reached`` and has no value. ``<kind>_per_seed`` lists every
+    paired seed: ``{"seed", "pct", "lower_bound"}``."""
+    seeds = [sd for sd in fam["seeds"] if "lrmoe" in sd["methods"]]
+    present = [b for b in BASELINES if any(b in sd["methods"] for sd in seeds)]
+    present += sorted({b for sd in seeds for b in sd["methods"]} - set(present) - {"lrmoe"})
+    out = []
+    for j, frac in enumerate(fam["fractions"]):
+        for b in present:
+            pairs = [sd for sd in seeds if b in sd["methods"]]
+            cell = {"fraction": frac, "baseline": b, "n": len(pairs)}
+            for kind in KINDS:
+                per_seed = []
+                for sd in pairs:
+                    v, bound = reduction(sd["methods"]["lrmoe"], sd["methods"][b], j, kind)
+                    per_seed.append({"seed": sd["seed"], "pct": v, "lower_bound": bound})
+                cell[f"{kind}_pct"] = estimate([x["pct"] for x in per_seed if x["pct"] is not None]).to_dict()
+                cell[f"{kind}_bounds"] = sum(x["lower_bound"] for x in per_seed)
+                cell[f"{kind}_lrmoe_not_reached"] = sum(sd["methods"]["lrmoe"]["reach"][j]["step"] is None for sd in pairs)
+                cell[f"{kind}_per_seed"] = per_seed
+            out.append(cell)
+    return out
+
+
+def _holm(data: list[dict]) -> None:
+    """Holm's correction across the table's comparisons, one family of tests per time column (kind):
+    every exact paired reduction (no lower bound) of a method against SYMI (the main table's "vs SYMI"
+    columns) and of LRMoE against each baseline (:func:`lrmoe_against`) gets ``p_holm`` beside its
+    t-test ``p``; LRMoE against SYMI, in both, is one comparison."""
     for kind in KINDS:
-        ests = [c[f"{kind}_vs_symi_pct"] for fam in data for pl, cells in fam["summary"].items() if pl != "symi"
-                for c in cells if not c[f"{kind}_vs_symi_bounds"]]
+        ests = [c[f"{kind}_vs_symi_pct"] for fam in data for pl, cells in fam["summary"].items()
+                if pl not in ("symi", "lrmoe") for c in cells if not c[f"{kind}_vs_symi_bounds"]]
+        ests += [c[f"{kind}_pct"] for fam in data for c in fam["lrmoe_vs"] if not c[f"{kind}_bounds"]]
         for e, q in zip(ests, holm(e.get("p") for e in ests)):
             e["p_holm"] = q
             e["resolved_holm"] = q is not None and q < 0.05 and e["resolved"]
+        for fam in data:  # the main table's LRMoE "vs SYMI" cells: the same comparison, the same estimate
+            for c in fam["lrmoe_vs"]:
+                if c["baseline"] == "symi" and "lrmoe" in fam["summary"]:
+                    mine = fam["summary"]["lrmoe"][fam["fractions"].index(c["fraction"])]
+                    assert sorted(mine[f"{kind}_vs_symi_pct"]["values"]) == sorted(c[f"{kind}_pct"]["values"])
+                    mine[f"{kind}_vs_symi_pct"] = c[f"{kind}_pct"]
 
 
 def steps_vs_lrmoe(fam: dict) -> list[dict]:
@@ -442,6 +496,79 @@ def _vs(cell: dict, kind: str, pl: str) -> str:
     return f"{e['mean']:+.1f}{ci}{note}{holm_p}"
 
 
+KIND_NAMES = {"simulated": "(b) simulated", "simulated_no_planning": "(b) without planning", "measured": "(a) measured"}
+
+
+def _against(c: dict, kind: str) -> str:
+    """One cell of the LRMoE-against-each-baseline table: the mean reduction [95 % interval] with its
+    Holm p, or a lower bound ("> x") where the baseline never reached the target in some seed, with
+    the seeds that are censored counted."""
+    e, bounds, miss = c[f"{kind}_pct"], c[f"{kind}_bounds"], c[f"{kind}_lrmoe_not_reached"]
+    notes = ([f"baseline not reached in {bounds}/{e['n']}"] if bounds else []) + (
+        [f"LRMoE not reached in {miss}/{c['n']}"] if miss else [])
+    note = f" ({'; '.join(notes)})" if notes else ""
+    if not e["n"]:
+        return f"no value{note}" if notes else "—"
+    if bounds:
+        return f"> {e['mean']:+.1f}{note}"
+    ci = f" [{e['lo']:+.1f}, {e['hi']:+.1f}]" if e["lo"] is not None else ""
+    holm_p = f"; Holm p {fmt_p(e['p_holm'])}" if e.get("p_holm") is not None else ""
+    return f"{e['mean']:+.1f}{ci}{note}{holm_p}"
+
+
+def against_summary(fam: dict, kind: str = "simulated") -> dict[str, dict]:
+    """baseline -> what the LRMoE-against-baseline comparisons of one family say in one time column:
+    ``tested`` (comparisons with a Holm p), ``faster`` / ``slower`` (LRMoE resolved faster / slower
+    after Holm), ``exact`` (per-seed values where both reached the target), ``bounds`` (seed-targets
+    where only LRMoE did: lower bounds) and ``lrmoe_not_reached`` (seed-targets where LRMoE did not)."""
+    out: dict[str, dict] = {}
+    for c in fam["lrmoe_vs"]:
+        e = c[f"{kind}_pct"]
+        o = out.setdefault(c["baseline"], {"tested": 0, "faster": 0, "slower": 0, "exact": [], "bounds": 0,
+                                           "lrmoe_not_reached": 0})
+        o["exact"] += [x["pct"] for x in c[f"{kind}_per_seed"] if x["pct"] is not None and not x["lower_bound"]]
+        o["bounds"] += c[f"{kind}_bounds"]
+        o["lrmoe_not_reached"] += c[f"{kind}_lrmoe_not_reached"]
+        if e.get("p_holm") is not None:
+            o["tested"] += 1
+            o["faster"] += bool(e["resolved_holm"]) and e["mean"] > 0
+            o["slower"] += bool(e["resolved_holm"]) and e["mean"] < 0
+    return out
+
+
+def _against_table(data: list[dict]) -> tuple[list[str], list[str], list[list[str]]]:
+    """The LRMoE-against-each-baseline table: (Markdown lines, header, rows)."""
+    bases = list(dict.fromkeys(c["baseline"] for fam in data for c in fam["lrmoe_vs"]))
+    if not bases:
+        return [], [], []
+    head = ["Model family", "Target (C0 at % of run)", "Time", *[f"vs {METHOD_NAMES.get(b, b)} %" for b in bases]]
+    rows = []
+    for fam in data:
+        cells = {(c["fraction"], c["baseline"]): c for c in fam["lrmoe_vs"]}
+        for frac in fam["fractions"]:
+            for kind in ("simulated", "simulated_no_planning", "measured"):
+                rows.append([FAMILY_NAMES.get(fam["family"], fam["family"]), f"{100 * frac:.0f} %", KIND_NAMES[kind],
+                             *[_against(cells[frac, b], kind) if (frac, b) in cells else "—" for b in bases]])
+    said = []
+    for fam in data:
+        name = FAMILY_NAMES.get(fam["family"], fam["family"])
+        parts = []
+        for b, o in against_summary(fam).items():
+            rng = (f"{min(o['exact']):+.1f} to {max(o['exact']):+.1f} % in the {len(o['exact'])} seed-targets both "
+                   f"reach" if o["exact"] else "no seed-target both reach")
+            parts.append(f"vs {METHOD_NAMES.get(b, b)}: {rng}; resolved after Holm faster in {o['faster']}, slower in "
+                         f"{o['slower']} of {o['tested']} tested targets")
+        said.append(f"- {name}: " + "; ".join(parts) + ".")
+    md = ["**LRMoE against each baseline**: per seed 100 × (1 − LRMoE's time / the baseline's time) to the same "
+          "target, against the same seed's run of the baseline (positive: LRMoE needs less time); over the seeds its "
+          "mean and 95 % t interval and the t test's p after Holm's correction (the same family of tests per time "
+          "column as the \"vs SYMI\" columns above; LRMoE against SYMI 1.0 is one comparison in both). A baseline "
+          "that never reaches a target in a seed gives a lower bound from its whole run (\"> x\", no test); a seed "
+          "where LRMoE never reaches it has no value and is counted.", "", md_table(head, rows), "",
+          "In simulated time (with planning), per seed:", *said, ""]
+    return md, head, rows
+
+
 def _measured_line(fam: dict) -> str:
     where = "; ".join(fam["measured_on"])
     if fam["torchrun"]:
@@ -478,6 +605,7 @@ def make_t3(res: Results, paper: dict, out: Path, say=None) -> list[Path] | None
                   f"{p['reduction_vs_symi_pct']['glm4']} %); Qwen3-30B-A3B to loss {q['loss_target']}: SYMI "
                   f"{q['SYMI']['minutes']} min over {q['SYMI']['steps']:,} steps, LRMoE {q['LRMoE']['minutes']} min over "
                   f"{q['LRMoE']['steps']:,} steps (8× Hopper, EP8)")
+    against_md, against_head, against_rows = _against_table(data)
     first = data[0]
     models = "; ".join(f"{FAMILY_NAMES.get(d['family'], d['family'])}: `{d['model']}` with {d['overrides']}"
                        for d in data)
@@ -502,18 +630,22 @@ def make_t3(res: Results, paper: dict, out: Path, say=None) -> list[Path] | None
           f"\"reached k/n\"; \"median not reached\" when the median falls on such a seed), never means over "
           f"the seeds that reached it. *vs SYMI* is 100 × (1 − time / SYMI's time) per seed against the same "
           f"seed's SYMI run (a paired difference), then its mean and 95 % Student t interval over the seeds "
-          f"(uncorrected) and the t test's p after Holm's correction across this table's comparisons with SYMI "
-          f"of the same column; where SYMI never reaches a target, that seed's value is a lower bound from "
+          f"(uncorrected) and the t test's p after Holm's correction across this table's comparisons (with SYMI "
+          f"here, and LRMoE's with each baseline below) of the same time column; where SYMI never reaches a target, that seed's value is a lower bound from "
           f"SYMI's whole run, and so is the mean (\"> x\"; no test).  ",
           f"*Paper*: {paper_line}.", "", md_table(head, rows), "",
           "What this can and cannot claim: the steps come from real training with each method's semantics (forward "
           "drops, backward quotas) at the preset's scale; the simulated minutes combine those steps with the run's "
           "routing replayed at the paper's scale, whose skew at a preset's few tokens per rank carries more sampling "
           "noise than the paper's 32,768. Only column (a) of the `paper` preset's torchrun runs is a cluster's "
-          "measurement.", "", *_steps_table(data)]
+          "measurement.", "", *against_md, *_steps_table(data)]
     write_json(out / "tables" / "T3_time_to_target.json", {"families": data, "paper": p})
     cap = f"T3: time to fixed loss targets per method. Trained: preset {res.preset_name}. Paper: {paper_line}."
-    return write_table(out, "T3_time_to_target", md, tex_table(cap, "tab:t3", head, rows)) + [
+    tex = tex_table(cap, "tab:t3", head, rows)
+    if against_rows:
+        tex += "\n" + tex_table("T3 (continued): LRMoE's time reduction against each baseline, % (mean [95 % t "
+                                "interval] over seeds; Holm p).", "tab:t3-lrmoe", against_head, against_rows)
+    return write_table(out, "T3_time_to_target", md, tex) + [
         out / "tables" / "T3_time_to_target.json"]
 
 

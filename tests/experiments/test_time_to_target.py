@@ -160,6 +160,14 @@ def test_seeds_are_paired_and_summarised_with_t_intervals(tmp_path):
     assert last["steps_median"] == want[2] and last["measured_median_s"] is not None
     assert "(reached 2/3)" in md and "(SYMI not reached in 1/2; 2/3 seeds)" in md and "seeds 0, 1, 2" in md
     assert "censored" in md and "Holm p" in md
+    # LRMoE against each baseline: its own table, the main table's LRMoE "vs SYMI" cells the same comparison
+    vs = {(c["fraction"], c["baseline"]): c for c in fam["lrmoe_vs"]}
+    assert {b for _, b in vs} == {"fixed", "symi"}
+    for j, frac in enumerate(fam["fractions"]):
+        assert vs[frac, "symi"]["measured_pct"] == fam["summary"]["lrmoe"][j]["measured_vs_symi_pct"]
+    fixed0 = vs[fam["fractions"][0], "fixed"]["measured_pct"]  # fixed: 1 s per step, LRMoE 0.5/0.6/0.4 s, same steps
+    assert fixed0["values"] == pytest.approx([50.0, 40.0, 60.0]) and fixed0["p_holm"] >= fixed0["p"]
+    assert "**LRMoE against each baseline**" in md and "| vs Fixed ownership (Megatron) % | vs SYMI (capacity 1.0) % |" in md
     figs = ttt.make_f4(Results.load(tmp_path), paper_numbers(), tmp_path)
     assert all(f.stat().st_size > 0 for f in figs)
 
@@ -223,3 +231,50 @@ def test_symi_variants_and_steps_against_lrmoe(tmp_path):
     md = next(f for f in files if f.suffix == ".md").read_text()
     assert "SYMI (dropless)" in md and "SYMI (capacity 1.25)" in md
     assert "Qwen3-MoE: SYMI needs fewer steps than LRMoE in more seeds than not for SYMI (dropless)." in md
+
+
+def _hand_seed(seed, times, totals):
+    """One seed as seed_data gives it, by hand: per method the time to each target (None: never
+    reached; every kind the same) and the whole run's time."""
+    return {"seed": seed, "methods": {
+        pl: {"reach": [{"step": None if t is None else 1, **{f"{k}_s": t for k in ttt.KINDS}} for t in ts],
+             **{f"{k}_cum_s": [totals[pl]] for k in ttt.KINDS}} for pl, ts in times.items()}}
+
+
+def test_lrmoe_against_each_baseline_by_hand():
+    """LRMoE's paired reduction against every baseline, per target: exact where both reach it, a
+    lower bound from the baseline's whole run where only LRMoE does, nothing (counted) where LRMoE
+    does not; Holm across every tested comparison of the table, per time column."""
+    from lrmoe.stats import estimate, holm
+
+    totals = {"lrmoe": 20.0, "fixed": 10.0, "symi-dropless": 20.0}
+    seeds = [_hand_seed(0, {"lrmoe": [1.0, 3.0], "fixed": [2.0, 6.0], "symi-dropless": [1.0, 3.0]}, totals),
+             _hand_seed(1, {"lrmoe": [2.0, None], "fixed": [4.0, 8.0], "symi-dropless": [4.0, 5.0]}, totals),
+             _hand_seed(2, {"lrmoe": [1.5, 4.0], "fixed": [3.0, None], "symi-dropless": [2.0, 8.0]}, totals)]
+    fam = {"family": "qwen3", "fractions": [0.5, 0.9], "seeds": seeds, "summary": {}}
+    fam["lrmoe_vs"] = ttt.lrmoe_against(fam)
+    ttt._holm([fam])
+    cells = {(c["fraction"], c["baseline"]): c for c in fam["lrmoe_vs"]}
+    assert list(dict.fromkeys(c["baseline"] for c in fam["lrmoe_vs"])) == ["fixed", "symi-dropless"]  # BASELINES order
+    f0, f1 = cells[0.5, "fixed"], cells[0.9, "fixed"]
+    assert f0["simulated_pct"]["values"] == [50.0, 50.0, 50.0] and f0["simulated_bounds"] == 0
+    # seed 1: LRMoE never reaches 0.9 (no value, counted); seed 2: fixed never does (its whole run, 10 s: >= 60 %)
+    assert [x["pct"] for x in f1["simulated_per_seed"]] == [50.0, None, 60.0]
+    assert [x["lower_bound"] for x in f1["simulated_per_seed"]] == [False, False, True]
+    assert f1["simulated_bounds"] == 1 and f1["simulated_lrmoe_not_reached"] == 1 and f1["n"] == 3
+    d0, d1 = cells[0.5, "symi-dropless"], cells[0.9, "symi-dropless"]
+    assert d0["measured_pct"]["values"] == pytest.approx([0.0, 50.0, 25.0])
+    assert d0["measured_pct"]["mean"] == pytest.approx(25.0) and d0["measured_pct"]["lo"] == pytest.approx(
+        estimate([0.0, 50.0, 25.0]).lo)
+    assert d1["measured_pct"]["values"] == pytest.approx([0.0, 50.0])
+    tested = [f0, d0, d1]  # f1 holds a lower bound: no test
+    want = holm([c["simulated_pct"]["p"] for c in tested])
+    assert [c["simulated_pct"]["p_holm"] for c in tested] == pytest.approx(want)
+    assert f1["simulated_pct"].get("p_holm") is None
+    assert f0["simulated_pct"]["resolved_holm"] and not d0["simulated_pct"]["resolved_holm"]
+    assert ttt._against(f1, "simulated") == "> +55.0 (baseline not reached in 1/2; LRMoE not reached in 1/3)"
+    assert ttt._against(f0, "simulated").startswith("+50.0 [+50.0, +50.0]; Holm p <0.001")
+    s = ttt.against_summary(fam)
+    assert s["fixed"] == {"tested": 1, "faster": 1, "slower": 0, "exact": [50.0, 50.0, 50.0, 50.0], "bounds": 1,
+                          "lrmoe_not_reached": 1}
+    assert s["symi-dropless"]["tested"] == 2 and s["symi-dropless"]["faster"] == 0
