@@ -51,8 +51,10 @@ def runs(tmp_path_factory):
     cfg = dict(RUN, **data, ep=2, placement="fixed", fsdp=True)
     symi = dict(RUN, **data, ep=2, placement="symi", drop_ratio=0.2)
     for name, nproc, c, extra in (("ep2", 2, cfg, ()), ("resumed", 2, cfg, ("--stop-after", "2")),
-                                  ("resumed", 2, cfg, ()), ("ep2_edp2", 4, cfg, ()), ("symi", 2, symi, ()),
-                                  ("symi_fsdp_ac", 2, dict(symi, fsdp=True, activation_checkpointing=True), ())):
+                                  ("resumed", 2, cfg, ()), ("ep2_edp2", 4, cfg, ()),
+                                  ("symi", 2, dict(symi, record_trace=str(base / "symi.npz")), ()),
+                                  ("symi_fsdp_ac", 2, dict(symi, fsdp=True, activation_checkpointing=True,
+                                                           record_trace=str(base / "symi_fsdp_ac.npz")), ())):
         t0 = time.perf_counter()
         torchrun(base / name, c, *extra, env=env, nproc=nproc, deadline_s=DEADLINE_S)
         walls[name] = walls.get(name, 0.0) + time.perf_counter() - t0
@@ -92,6 +94,13 @@ def test_activation_checkpointing_reuses_the_plan_on_ep_ranks(runs):
         assert b["kept_fraction"] == a["kept_fraction"] < 0.9  # SYMI's forward drops and C20: a real selection
     s = json.loads((runs / "symi_fsdp_ac" / "summary.json").read_text())
     assert s["distributed"]["activation_checkpointing"] is True and s["config"]["activation_checkpointing"] is True
+    # the routing traces: one row per micro-batch forward and layer in both (the recompute records
+    # nothing: 4 steps x 2 micro-batches, 2 MoE layers), equal
+    from lrmoe.sim.trace import load_trace
+
+    a, b = load_trace(runs / "symi.npz"), load_trace(runs / "symi_fsdp_ac.npz")
+    assert a.counts.shape[:2] == b.counts.shape[:2] == (RUN["steps"] * RUN["grad_accum"], 2)
+    assert (a.counts == b.counts).all() and a.counts.sum() > 0
 
 
 def test_fsdp_resume_reproduces_the_uninterrupted_run(runs):
