@@ -147,7 +147,7 @@ def _exported(runs, name):
 def test_export_hf_of_a_sharded_checkpoint(runs):
     """lrmoe export-hf: the 2-rank FSDP set, resumed or not, exports the same weights bit for bit;
     the single-process checkpoint exports weights within the runs' agreement; all load with
-    from_pretrained."""
+    from_pretrained, also stock transformers' without the kit's experts (same weights and logits)."""
     assert (runs / "ep2" / "checkpoint.step4.dcp").is_dir()
     a, b, single = _exported(runs, "ep2"), _exported(runs, "resumed"), _exported(runs, "single")
     assert (runs / "export-ep2" / "model.safetensors.index.json").exists()
@@ -156,6 +156,18 @@ def test_export_hf_of_a_sharded_checkpoint(runs):
     for k in pa:
         assert torch.equal(pa[k], pb[k]), k
         assert torch.allclose(pa[k], ps[k], atol=2e-3, rtol=0), (k, (pa[k] - ps[k]).abs().max())
+    # a user without the kit: stock transformers (its own experts) loads the folder to the same model
+    import json as _json
+
+    from transformers import AutoModelForCausalLM
+
+    cfg = _json.loads((runs / "export-ep2" / "config.json").read_text())
+    assert "lrmoe" not in str(cfg.get("experts_implementation", "")), cfg.get("experts_implementation")
+    stock = AutoModelForCausalLM.from_pretrained(runs / "export-ep2", dtype=torch.float32)
+    assert all(torch.equal(p, pa[k]) for k, p in stock.named_parameters())
+    ids = torch.randint(0, stock.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(stock(ids).logits, a(ids).logits, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("over,msg", [
