@@ -162,8 +162,15 @@ def _label(k, v) -> str:
     return str(v)
 
 
-def paper_t2(family: str, scorer) -> float | None:
-    """The paper's T2 ΔPPL of ``scorer`` on ``family`` (its drop level is not stated), or None."""
+#: the drop ratio the kit compares the paper's T2 at (the paper does not state its level; docs/reproduce.md)
+T2_LEVEL = 0.2
+
+
+def paper_t2(family: str, scorer, drop_ratio=T2_LEVEL) -> float | None:
+    """The paper's T2 ΔPPL of ``scorer`` on ``family`` for a row at ``drop_ratio``: only at
+    :data:`T2_LEVEL` (its own level is not stated; a C10 or C30 row has no paper value), else None."""
+    if drop_ratio is None or abs(float(drop_ratio) - T2_LEVEL) > 1e-9:
+        return None
     return paper_numbers()["T2"]["values"].get(family, {}).get(scorer)
 
 
@@ -180,7 +187,7 @@ def tables(a: dict, g: Grid) -> tuple[list[str], list[tuple[str, list, list]]]:
     if effect_p:
         head.append(f"p (t test) / Holm, {get_metric(first).label} vs baseline")
     if show_paper:
-        head.append("paper T2 ΔPPL (drop level not stated)")
+        head.append(f"paper T2 ΔPPL (C{round(100 * T2_LEVEL)} rows; its drop level not stated)")
     rows = []
     for e in a["effects"]:
         row = [_label(k, e["variant"].get(k)) for k in varied]
@@ -189,7 +196,8 @@ def tables(a: dict, g: Grid) -> tuple[list[str], list[tuple[str, list, list]]]:
             m = e["metrics"][first]
             row.append(f"{fmt_p(m.get('p'))} / {fmt_p(m.get('p_holm'))}")
         if show_paper:
-            pv = paper_t2(e["variant"].get("family"), e["variant"].get("scorer"))
+            pv = paper_t2(e["variant"].get("family"), e["variant"].get("scorer"),
+                          e["variant"].get("drop_ratio", g.set.get("drop_ratio")))
             row.append(_num(pv, 6, sign=False) if pv is not None else "—")
         rows.append(row)
     paired = [k for k in g.metrics if get_metric(k).paired]

@@ -120,3 +120,24 @@ def test_orderings_are_holm_corrected(folder):
     md = (out / "tables").exists() or write_all(g, out, figures=False)
     md = (out / "tables" / "t.md").read_text()
     assert "Holm" in md and "lrm < random" in md
+
+
+def test_paper_t2_only_on_rows_at_the_kits_t2_level(folder):
+    """The paper's T2 ΔPPL (its drop level not stated; the kit compares it at C20) stands beside C20
+    rows only: a C10, C30 or C50 row of the same scorer gets none."""
+    import copy
+
+    from lrmoe.ablate.aggregate import paper_t2, tables
+
+    assert paper_t2("qwen3", "lrm") == pytest.approx(0.012474) and paper_t2("qwen3", "lrm", 0.2) == pytest.approx(0.012474)
+    assert paper_t2("qwen3", "lrm", 0.1) is None and paper_t2("qwen3", "lrm", 0.3) is None
+    g, out = folder
+    a = analyse(g, out)  # every row at C50
+    a2 = copy.deepcopy(a)
+    a2["effects"].append(copy.deepcopy(_effect(a, "lrm")))
+    a2["effects"][-1]["variant"]["drop_ratio"] = 0.2
+    lines = "\n".join(tables(a2, g)[0]).splitlines()
+    head = next(x for x in lines if x.startswith("| family"))
+    assert head.rstrip(" |").endswith("paper T2 ΔPPL (C20 rows; its drop level not stated)")
+    rows = [x for x in lines if x.startswith("| Qwen3-MoE | C")]
+    assert [r.rsplit("|", 2)[-2].strip() for r in rows] == ["—", "—", "0.012474"]
