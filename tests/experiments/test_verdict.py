@@ -103,3 +103,30 @@ def test_memory_row_follows_the_simulated_rule(tmp_path, base, savings, want):
            {"methods": {"fixed": {"memory_gib": {"subtotal": 16.0}}, "lrmoe": {"memory_gib": {"subtotal": 16.0 * (1 + base)}}}})
     _write(tmp_path, verdict.CONDITIONS, _conditions(savings))
     assert verdict.memory(tmp_path)["verdict"] == want
+
+
+def _heldout(effects: dict, above: dict) -> dict:
+    """A hand-made held-out ablation.json: effects {drop: (mean, p_holm)} of LRM vs C0, and the
+    comparisons C30 vs {0.1, 0.2} as {drop: (C30 − it, p_holm)} (stored as drop − C30, as the grid does)."""
+    def m(mean, p):
+        return {"deval_loss": _est(mean, p, resolved=p < 0.05)}
+
+    return {"effects": [{"variant": {"drop_ratio": d, "scorer": "lrm"}, "metrics": m(*v)} for d, v in effects.items()],
+            "comparisons": [{"a": d, "b": 0.3, "context": {"family": "qwen3", "scorer": "lrm"},
+                             "metrics": m(-v[0], v[1])} for d, v in above.items()]}
+
+
+@pytest.mark.parametrize("effects, above, want", [
+    # C10-C20 free, C30 resolved above C0, C10 and C20: the paper's T1 in full
+    ({0.1: (0.01, 0.9), 0.2: (0.01, 0.9), 0.3: (0.2, 0.01)}, {0.1: (0.19, 0.01), 0.2: (0.19, 0.02)},
+     "reproduced: no penalty at C10-C20 resolved; C30's loss resolved (Holm) above C0, C10, C20"),
+    # the committed shape: C30 above C10 and C20 only
+    ({0.1: (0.02, 0.9), 0.2: (0.01, 0.9), 0.3: (0.11, 0.5)}, {0.1: (0.1, 0.04), 0.2: (0.1, 0.04)},
+     "not decided: no penalty at C10-C20 resolved; C30's loss resolved (Holm) above C10, C20"),
+    # a resolved penalty at C20 contradicts "10-20 % leaves convergence intact"
+    ({0.1: (0.02, 0.9), 0.2: (0.08, 0.01), 0.3: (0.2, 0.01)}, {0.1: (0.1, 0.5), 0.2: (0.1, 0.5)},
+     "contradicted: a penalty at C10-C20 survives Holm"),
+])
+def test_convergence_row_follows_the_rule(tmp_path, effects, above, want):
+    _write(tmp_path, "results/ablations/heldout/ablation.json", _heldout(effects, above))
+    assert verdict.convergence(tmp_path)["verdict"] == want
