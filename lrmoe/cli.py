@@ -11,6 +11,8 @@ import importlib
 import importlib.util
 import sys
 
+from lrmoe.interrupts import run_command
+
 # subcommand -> module defining register_cli(subparsers)
 COMMANDS = {
     "bench": "lrmoe.bench.cli",
@@ -45,12 +47,32 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return ap
 
 
+# After Ctrl-C anywhere in a command (its import included): what is kept and how to go on, said in
+# one line, exit status 130 (lrmoe.interrupts.run_command). Commands that know more say it
+# themselves first: `reproduce` and `ablate` the step and the runs kept, `train` the run folder.
+AFTER_CTRL_C = {
+    "train": "the run folder keeps its last checkpoint; rerun the same command to resume from it",
+    "reproduce": "finished runs are kept, started ones resume from their checkpoints; rerun the same command",
+    "ablate": "finished runs are kept, started ones resume from their checkpoints; rerun the same command",
+    "simulate": "the scenarios it finished are written; rerun the same command to simulate again",
+    "figures": "rerun the same command to make the tables and figures again",
+    "bench": "the benchmark's results are written when it ends; rerun the same command to measure again",
+}
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(argv).parse_args(argv)
-    if not hasattr(args, "func"):
-        raise SystemExit(f"lrmoe {args.command}: not available in this checkout")
-    return int(args.func(args) or 0)
+    name = next((a for a in argv if not a.startswith("-")), None)
+    name = name if name in COMMANDS else None
+
+    def run() -> int:
+        args = build_parser(argv).parse_args(argv)
+        if not hasattr(args, "func"):
+            raise SystemExit(f"lrmoe {args.command}: not available in this checkout")
+        return int(args.func(args) or 0)
+
+    return run_command(run, f"lrmoe {name}" if name else "lrmoe",
+                       AFTER_CTRL_C.get(name, "rerun the same command to start again"))
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from lrmoe.environment import cpu_model, environment
+from lrmoe.interrupts import blocked_in_children, ignore_sigint, run_command
 
 PHIS = ("h", "x", "both")
 SCORERS = ("lrm", "grad_norm", "abs_grad", "random")
@@ -444,11 +445,7 @@ def run_probe(a) -> dict:
     work = [dict(run=str(run), dtype=a.dtype, label=label, rows=a.rows, batches=a.batches, seed=a.seed, drops=a.drops,
                  scorers=a.scorers, draws=a.draws, threads=threads, progress=progress) for label in a.checkpoints]
     if jobs > 1 and len(work) > 1:  # one process per checkpoint (each with `threads` torch threads)
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(max_workers=min(jobs, len(work)), mp_context=mp.get_context("spawn")) as ex:
-            parts = list(ex.map(probe_checkpoint, work))
+        parts = _in_workers(work, min(jobs, len(work)))
     else:
         parts = [probe_checkpoint(w) for w in work]
     records = [r for part in parts for r in part]
@@ -465,6 +462,26 @@ def run_probe(a) -> dict:
     files = write_outputs(out, records, meta)
     _log(f"wrote {', '.join(str(f) for f in files)} ({meta['seconds']} s)", progress)
     return {"records": records, "meta": meta}
+
+
+def _in_workers(work: list[dict], jobs: int) -> list[list[dict]]:
+    """:func:`probe_checkpoint` of each item of ``work`` in ``jobs`` spawned processes. They ignore
+    Ctrl-C; this process ends them on one (their records are written only when all are done)."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    ex = ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"), initializer=ignore_sigint)
+    try:
+        with blocked_in_children():
+            futs = [ex.submit(probe_checkpoint, w) for w in work]
+        return [f.result() for f in futs]
+    except BaseException:
+        ex.shutdown(wait=False, cancel_futures=True)
+        for child in mp.active_children():
+            child.terminate()
+        raise
+    finally:
+        ex.shutdown(wait=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -491,5 +508,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # `lrmoe reproduce` runs the probe so; after Ctrl-C it says what stopped, not the probe
+    sys.exit(run_command(main, "lrmoe ablate probe", None))

@@ -4,6 +4,8 @@ from __future__ import annotations
 from .driver import reproduce
 from .presets import PRESETS
 
+# said after a Ctrl-C that the driver did not see (while the command starts)
+AFTER_CTRL_C = "finished runs are kept, started ones resume from their checkpoints; rerun the same command"
 DESCRIPTION = "`lrmoe reproduce --preset smoke|cpu|gpu1|paper`: run every experiment of a preset, then the figures."
 
 

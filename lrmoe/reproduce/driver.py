@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 
 from lrmoe.files import CorruptFileError, read_json
+from lrmoe.interrupts import EXIT_STATUS, caused_by_interrupt, signal_name
+from lrmoe.run_folder import INTERRUPTED
 from lrmoe.runs import RunSpec, UsageError, pool, record_call, run_all, select, survey, torchrun, write_manifest
 from lrmoe.train.ep import world_size_from_env
 
@@ -71,7 +73,8 @@ def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_r
     """Run every pending run of ``preset`` (skipping finished ones), then the figures. Returns an
     exit code: 0, 1 (a run failed), 2 (a run folder of another config, a damaged one or one that
     another process trains, a preset whose hardware this machine lacks, or no data for the runs:
-    checked before anything is written or fetched), 130 (stopped; rerun to resume). Bad arguments (preset, ``out_dir``,
+    checked before anything is written or fetched), 130 (stopped by Ctrl-C or SIGTERM in any step, one line
+    says what it was doing and what is kept; rerun to resume). Bad arguments (preset, ``out_dir``,
     ``only``, ``jobs``) raise :class:`lrmoe.runs.UsageError`.
 
     A torchrun preset (``paper``) launched from a shell prints one ``torchrun`` command per pending
@@ -114,45 +117,75 @@ def reproduce(preset: str | Preset, out_dir=None, only: str | None = None, dry_r
         return 2
     if main and sv.reasons(pending):  # why a started run runs again (it resumes, or restarts)
         print("\n".join([f"{p.prog}: started runs that run again:", *sv.reasons(pending)]), file=sys.stderr)
-    if p.launcher == "torchrun" and not under_torchrun:
-        return _launch_torchrun(p, out, pl["all_runs"], runs, pending, figures, ref, simulate)
-    if missing:  # checked before any file is written or any data is fetched
-        print(f"{p.prog}: {p.kind} {p.name!r} needs {p.hardware}, but {missing}, so nothing was run; run it on "
-              f"such a machine, or {p.elsewhere}", file=sys.stderr)
-        return 2
-    if pending and not under_torchrun and any(r.config.get("device") == "cuda" for r in pending):
-        refusal = _preflight(p, out, pending)  # a local GPU preset (gpu1): the same checks as torchrun's
-        if refusal:
-            print(refusal, file=sys.stderr)
+    stage = _Stage()  # what the call is doing, for the line it prints when it is stopped
+    try:
+        if p.launcher == "torchrun" and not under_torchrun:
+            return _launch_torchrun(p, out, pl["all_runs"], runs, pending, figures, ref, simulate, stage)
+        if missing:  # checked before any file is written or any data is fetched
+            print(f"{p.prog}: {p.kind} {p.name!r} needs {p.hardware}, but {missing}, so nothing was run; run it on "
+                  f"such a machine, or {p.elsewhere}", file=sys.stderr)
             return 2
-    t0, at_start = time.perf_counter(), machine()
-    if pending and not under_torchrun:  # tokenise and pack once; bad data is said before anything is written
-        try:
-            pool.prepare_data(pending, progress and main)
-        except (ValueError, OSError) as e:
-            print(f"{p.prog}: the runs' data cannot be prepared, so nothing was run: {e}", file=sys.stderr)
-            return 2
-    if main:
-        _clean(sv, p.prog)
-        out.mkdir(parents=True, exist_ok=True)
-        write_manifest(out, _manifest(p, pl["all_runs"], at_start if pending else _trained_on(out)))
-        print(f"  machine: {machine_line(at_start)}", file=sys.stderr)
-    # workers train without a bar of their own: one bar of their steps, read from their metrics files
-    steps_bar = StepProgress(out, [(r.name, int(r.config["steps"])) for r in pending],
-                             enabled=progress and main and jobs > 1 and not under_torchrun)
-    with steps_bar:
-        res = run_all(pending, out, jobs, progress=progress, main=main, under_torchrun=under_torchrun,
-                      desc=f"{p.prog.split()[-1]} {p.name}", done=len(done), prepare=False)
-    if main and res.failures:  # a run that failed before its first step leaves only its lock file
-        _clean(survey(out, [r for r in pending if r.name in {n for n, _ in res.failures}]), p.prog)
-    if res.interrupted:
+        if pending and not under_torchrun and any(r.config.get("device") == "cuda" for r in pending):
+            refusal = _preflight(p, out, pending)  # a local GPU preset (gpu1): the same checks as torchrun's
+            if refusal:
+                print(refusal, file=sys.stderr)
+                return 2
+        t0, at_start = time.perf_counter(), machine()
+        if pending and not under_torchrun:  # tokenise and pack once; bad data is said before anything is written
+            stage.now = "preparing the runs' data"
+            try:
+                pool.prepare_data(pending, progress and main)
+            except (ValueError, OSError) as e:
+                print(f"{p.prog}: the runs' data cannot be prepared, so nothing was run: {e}", file=sys.stderr)
+                return 2
         if main:
-            print(f"{p.prog}: interrupted; rerun the same command to resume ({out}/)", file=sys.stderr)
-        return 130
-    if not main:
-        return 0
-    return _finish(p, out, runs, pending, res.failures, time.perf_counter() - t0, jobs, only, figures, at_start, ref,
-                   simulate)
+            _clean(sv, p.prog)
+            out.mkdir(parents=True, exist_ok=True)
+            write_manifest(out, _manifest(p, pl["all_runs"], at_start if pending else _trained_on(out)))
+            print(f"  machine: {machine_line(at_start)}", file=sys.stderr)
+        # workers train without a bar of their own: one bar of their steps, read from their metrics files
+        steps_bar = StepProgress(out, [(r.name, int(r.config["steps"])) for r in pending],
+                                 enabled=progress and main and jobs > 1 and not under_torchrun)
+        stage.now = "training"
+        with steps_bar:
+            res = run_all(pending, out, jobs, progress=progress, main=main, under_torchrun=under_torchrun,
+                          desc=f"{p.prog.split()[-1]} {p.name}", done=len(done), prepare=False)
+        if main and res.failures:  # a run that failed before its first step leaves only its lock file
+            _clean(survey(out, [r for r in pending if r.name in {n for n, _ in res.failures}]), p.prog)
+        if res.interrupted:
+            if main:
+                _say_interrupted(p, out, runs, stage.now, res.stopped_by)
+            return EXIT_STATUS
+        if not main:
+            return 0
+        return _finish(p, out, runs, pending, res.failures, time.perf_counter() - t0, jobs, only, figures, at_start,
+                       ref, simulate, stage)
+    except BaseException as e:  # Ctrl-C, or an error it caused (numba: a SystemError), in any step
+        if not caused_by_interrupt(e):
+            raise
+        if main:
+            _say_interrupted(p, out, runs, stage.now, signal_name(e))
+        return EXIT_STATUS
+
+
+class _Stage:
+    """What a call is doing now, for the line it prints when it is stopped."""
+
+    now = "checking the runs"
+
+
+def _say_interrupted(p, out: Path, runs: list[RunSpec], stage: str, by: str) -> None:
+    """The one line of a stopped call: what it was doing, what is kept, how to go on."""
+    sv = survey(out, runs)
+    n_done = len(sv.done(runs))
+    resumable = sum(1 for r in runs if sv.states[r.name].state == INTERRUPTED and sv.states[r.name].resumable)
+    if n_done == len(runs):
+        kept = f"the {len(runs)} run{'s' * (len(runs) != 1)}, finished (a rerun trains none)"
+    else:
+        kept = f"{n_done} of {len(runs)} runs finished" + (
+            f", {resumable} stopped at a checkpoint (a rerun resumes from it)" if resumable else "")
+    print(f"{p.prog}: interrupted; rerun the same command to resume ({out}/): {by} while {stage}; kept: {kept}",
+          file=sys.stderr, flush=True)
 
 
 def _reference(p: Preset, out: Path, reference) -> Path | None:
@@ -251,7 +284,7 @@ def _list_runs(p: Preset, out: Path, runs: list[RunSpec], sv, skip: str | None, 
 
 
 def _launch_torchrun(p: Preset, out: Path, all_runs: list[RunSpec], runs: list[RunSpec], pending: list[RunSpec],
-                     figures: bool, ref: Path | None, simulate: bool) -> int:
+                     figures: bool, ref: Path | None, simulate: bool, stage: _Stage) -> int:
     """Not under torchrun: print one torchrun command per pending run, then run them one after
     another when this machine has the GPUs; otherwise exit with status 2 (the commands are the way
     to run the preset elsewhere)."""
@@ -274,8 +307,10 @@ def _launch_torchrun(p: Preset, out: Path, all_runs: list[RunSpec], runs: list[R
     out.mkdir(parents=True, exist_ok=True)
     t0, at_start = time.perf_counter(), machine()
     write_manifest(out, _manifest(p, all_runs, at_start))
+    stage.now = "training (torchrun launches)"
     failures = torchrun.launch_each(pending, out, p.nproc)
-    return _finish(p, out, runs, pending, failures, time.perf_counter() - t0, 1, None, figures, at_start, ref, simulate)
+    return _finish(p, out, runs, pending, failures, time.perf_counter() - t0, 1, None, figures, at_start, ref, simulate,
+                   stage)
 
 
 def _checkpoints_missing(runs: list[RunSpec]) -> list[str]:
@@ -309,10 +344,13 @@ def _preflight(p, out: Path, pending: list[RunSpec]) -> str | None:
     return None
 
 
-def _finish(p, out, runs, pending, failures, wall, jobs, only, figures, at_start, reference, simulate=True) -> int:
+def _finish(p, out, runs, pending, failures, wall, jobs, only, figures, at_start, reference, simulate=True,
+            stage: _Stage | None = None) -> int:
     """reproduce.json (with the machine and its load at the start and the end), then the
     simulated tables, the figures and the comparison with the reference and the paper (printed
-    last); the exit code."""
+    last); the exit code. ``stage`` says which step runs."""
+    stage = stage or _Stage()
+    stage.now = "writing the call's record"
     at_end = machine()
     record_call(out / f"{p.prog.split()[-1]}.json", {p.kind: p.name, "runs": len(runs), "ran_now": len(pending),
                                          "failed": failures, "jobs": jobs, "only": only,
@@ -321,13 +359,17 @@ def _finish(p, out, runs, pending, failures, wall, jobs, only, figures, at_start
     print(f"{p.kind} {p.name}: {len(pending)} run(s) in {wall:.0f}s ({wall / 60:.1f} min, {jobs} in parallel) on "
           f"{machine_line(at_start)} at the start; load average {_load(at_end)} at the end", file=sys.stderr)
     if callable(figures):  # the caller's tables and figures (`lrmoe ablate`: the grid's aggregation)
+        stage.now = "making the tables and figures"
         return max(int(figures(out, runs) or 0), 1 if failures else 0)
     step_failed = False  # the simulation or the probe (each says why on stderr)
     if figures and simulate:
+        stage.now = "simulating the cluster"
         step_failed = _simulate(out)
     if figures and getattr(p, "probe", None):
+        stage.now = "running the gradient-fidelity probe"
         step_failed = _probe(out, p.probe) or step_failed
     if figures:
+        stage.now = "making the figures and tables"
         from paper_figures import make_all
 
         from paper_figures import AmbiguousRuns
@@ -342,6 +384,7 @@ def _finish(p, out, runs, pending, failures, wall, jobs, only, figures, at_start
             print(f"no comparison: no reference folder (--reference none, --out is the reference itself, or "
                   f"{default_reference(p.name)}/ holds no manifest.json)", file=sys.stderr)
         else:
+            stage.now = "comparing with the reference"
             from .compare import compare, render_markdown, write_comparison
 
             try:

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from lrmoe.files import CorruptFileError, read_json
+from lrmoe.interrupts import wait_child
 from lrmoe.run_folder import read_summary
 from paper_figures.makers import PROBE_DIR as SUBDIR  # where the report's A1 maker reads it
 
@@ -47,7 +48,8 @@ def up_to_date(out, spec: dict) -> bool:
 
 def probe_into(out, spec: dict) -> tuple[int, float]:
     """Run the probe into ``<out>/probe/``; returns (exit status, seconds). Its output (a refusal is
-    one line on stderr) goes to this process's stdout and stderr."""
+    one line on stderr) goes to this process's stdout and stderr. After Ctrl-C the probe stops
+    quietly (:func:`lrmoe.interrupts.wait_child`) and the ``KeyboardInterrupt`` goes on."""
     t0 = time.perf_counter()
-    rc = subprocess.call([sys.executable, "-m", "lrmoe.ablate.probe", *probe_argv(out, spec)])
+    rc = wait_child(subprocess.Popen([sys.executable, "-m", "lrmoe.ablate.probe", *probe_argv(out, spec)]))
     return rc, time.perf_counter() - t0

@@ -3,24 +3,31 @@ of spawned worker processes, with a progress bar and one line per finished run.
 
 Stopping (Ctrl-C, or SIGTERM from a job scheduler): every run in training finishes its step,
 writes a checkpoint and stops; queued runs are not started; :func:`run_all` returns with
-``interrupted`` set, and the same call resumes every run later. SIGTERM does so whatever the
-inherited disposition of SIGINT (a background job starts with SIGINT ignored, and keeps ignoring
-it): in this process it reaches the training loop's stop request directly
-(:func:`lrmoe.train.loop.request_stop`), and the parent forwards it to the workers as SIGTERM. A
-second SIGTERM stops at once, without a checkpoint. A worker that has not stopped after
-:data:`STOP_GRACE_S` is terminated (it then resumes from its last periodic checkpoint), so none
-keeps training orphaned. A run that fails is reported and the others go on."""
+``interrupted`` set, and the same call resumes every run later. A second Ctrl-C (or SIGTERM) stops
+at once, without a checkpoint. In this process the signal reaches the training loop (SIGTERM
+through its stop request, :func:`lrmoe.train.loop.request_stop`, whatever the inherited
+disposition of SIGINT: a background job starts with SIGINT ignored, and keeps ignoring it). The
+pool's workers ignore SIGINT (a Ctrl-C reaches the whole process group; a worker that is starting
+or between runs would end with a traceback): the parent decides, and passes the stop on as
+SIGTERM, which a worker's run answers as above, quietly (the parent says it once for all). A
+worker that has not stopped after :data:`STOP_GRACE_S` is terminated (it then resumes from its last
+periodic checkpoint), so none keeps training orphaned. A run that fails is reported and the others
+go on."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import os
 import signal
+import sys
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lrmoe.interrupts import blocked_in_children, caused_by_interrupt, signal_name, unblock
 from lrmoe.train import Interrupted
 from lrmoe.train.loop import request_stop
 
@@ -31,11 +38,12 @@ STOP_GRACE_S = 120.0  # how long interrupted workers get to finish their step an
 
 @dataclass
 class Outcome:
-    """What :func:`run_all` did: (run name, error) of each failed run, whether it was stopped, and
-    its wall time."""
+    """What :func:`run_all` did: (run name, error) of each failed run, whether it was stopped (and
+    by what: ``"Ctrl-C"``, ``"SIGTERM"``), and its wall time."""
 
     failures: list[tuple[str, str]] = field(default_factory=list)
     interrupted: bool = False
+    stopped_by: str = ""
     wall_s: float = 0.0
 
 
@@ -58,22 +66,48 @@ def train_one(spec: dict, out_dir: str, progress: bool) -> dict:
             "wall_s": time.perf_counter() - t0}
 
 
-_WORKER_STOPPED = False  # in a pool worker: a run of this process was stopped by Ctrl-C or SIGTERM
+_WORKER_STOPPED = False  # in a pool worker: the parent stopped the pool (Ctrl-C or SIGTERM)
+_IN_RUN = False  # in a pool worker: a run is in hand (being set up, trained or finished)
+
+
+def _worker_start() -> None:
+    """Pool worker initializer: SIGINT is ignored (the parent decides), SIGTERM is the parent's
+    stop (:func:`_worker_on_term`). Both were blocked since the parent started this process
+    (:func:`lrmoe.interrupts.blocked_in_children`); one that came meanwhile is handled now."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _worker_on_term)
+    unblock(signal.SIGINT, signal.SIGTERM)
+
+
+def _worker_on_term(signum, frame) -> None:
+    """In a pool worker, the parent's stop: the run in training finishes its step and checkpoints
+    (the training loop leaves this handler in place and is asked through :func:`request_stop`;
+    what it would say goes nowhere, the parent says it once for all workers); a run being set up
+    or finished, or a second SIGTERM, stops at once; between runs the worker takes no other."""
+    global _WORKER_STOPPED
+    _WORKER_STOPPED = True
+    with contextlib.redirect_stderr(io.StringIO()):
+        asked = request_stop(signum)
+    if not asked and _IN_RUN:
+        raise Interrupted(signum)
 
 
 def _pool_train(spec: dict, out_dir: str) -> dict:
-    """Pool worker entry: :func:`train_one`, except that once a run of this worker was stopped by
-    a signal, the runs queued behind it are not started (the executor hands a worker its next
-    queued run before the parent can cancel it, and that run would train unsignalled until the
-    grace period ends)."""
-    global _WORKER_STOPPED
-    if _WORKER_STOPPED:
-        raise KeyboardInterrupt("not started: the pool is stopping")
+    """Pool worker entry: :func:`train_one`, except that once the pool is stopping, the runs queued
+    behind are not started (the executor hands a worker its next queued run before the parent can
+    cancel it, and that run would train unsignalled until the grace period ends)."""
+    global _WORKER_STOPPED, _IN_RUN
+    _IN_RUN = True
     try:
+        if _WORKER_STOPPED:
+            raise KeyboardInterrupt("not started: the pool is stopping")
         return train_one(spec, out_dir, False)
-    except KeyboardInterrupt:
-        _WORKER_STOPPED = True
+    except BaseException as e:
+        if caused_by_interrupt(e):
+            _WORKER_STOPPED = True
         raise
+    finally:
+        _IN_RUN = False
 
 
 def prepare_data(runs: list[RunSpec], progress: bool = True) -> None:
@@ -129,13 +163,15 @@ def run_all(runs: list[RunSpec], out, jobs: int = 1, *, progress: bool = True, m
                     try:
                         report(train_one(spec, d, progress and main))
                     except Exception as e:  # keep going: the tables say "not run" for it
-                        if under_torchrun:
+                        if under_torchrun or caused_by_interrupt(e):  # (numba turns a Ctrl-C into a SystemError)
                             raise
                         failed(spec["name"], e)
         else:
-            _run_pool(specs, jobs, report, failed)
-    except KeyboardInterrupt:  # every run in training wrote a checkpoint at its step
-        outcome.interrupted = True
+            _run_pool(specs, jobs, report, failed, bar.write)
+    except BaseException as e:  # a stop: every run in training wrote a checkpoint at its step
+        if not caused_by_interrupt(e):
+            raise
+        outcome.interrupted, outcome.stopped_by = True, signal_name(e)
     finally:
         bar.close()
         if group is not None:
@@ -144,33 +180,48 @@ def run_all(runs: list[RunSpec], out, jobs: int = 1, *, progress: bool = True, m
     return outcome
 
 
-def _run_pool(specs, jobs: int, report, failed) -> None:
+def _run_pool(specs, jobs: int, report, failed, say=None) -> None:
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    def on_term(signum, frame):  # SIGTERM to this process: passed on to the workers as SIGTERM (not as
-        for child in mp.active_children():  # SIGINT, which they ignore when this process was started ignoring it)
+    say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
+
+    def pass_on() -> None:  # the stop, to every worker, as SIGTERM (they ignore SIGINT)
+        for child in mp.active_children():
             os.kill(child.pid, signal.SIGTERM)
+
+    def on_term(signum, frame):  # SIGTERM to this process
+        pass_on()
         raise Interrupted(signum)
 
     prev_term = signal.signal(signal.SIGTERM, on_term) if threading.current_thread() is threading.main_thread() \
         else None
-    ex = ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"))
+    ex = ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"), initializer=_worker_start)
     try:
-        futs = {ex.submit(_pool_train, spec, d): spec["name"] for spec, d in specs}
+        with blocked_in_children(signal.SIGINT, signal.SIGTERM):  # until _worker_start handles them
+            futs = {ex.submit(_pool_train, spec, d): spec["name"] for spec, d in specs}
         for f in as_completed(futs):
             try:
                 report(f.result())
             except Exception as e:
                 failed(futs[f], e)
-    except KeyboardInterrupt:
-        # The workers got the signal too (Ctrl-C reaches the process group; SIGTERM is forwarded
-        # above): each finishes its step and writes a checkpoint. Queued runs are cancelled; a
+    except KeyboardInterrupt as e:
+        # Each worker finishes its step and writes a checkpoint; queued runs are cancelled; a
         # worker that has not exited after the grace period is terminated.
+        if not isinstance(e, Interrupted):  # Ctrl-C (on_term passed SIGTERM on already)
+            pass_on()
+        name = signal_name(e)
+        say(f"{name}: the runs in training finish this step, then write a checkpoint ({name} again to stop at once)")
         ex.shutdown(wait=False, cancel_futures=True)
         deadline = time.monotonic() + STOP_GRACE_S
-        for child in mp.active_children():
-            child.join(max(0.0, deadline - time.monotonic()))
+        while True:
+            try:
+                for child in mp.active_children():
+                    child.join(max(0.0, deadline - time.monotonic()))
+                break
+            except KeyboardInterrupt as again:  # a second stop: the workers stop at once, without a checkpoint
+                if not isinstance(again, Interrupted):
+                    pass_on()
         for child in mp.active_children():
             child.terminate()
         raise

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lrmoe.interrupts import wait_child
 from lrmoe.train import TrainConfig
 
 from .spec import RunSpec
@@ -64,7 +65,8 @@ def launch_each(runs: list[RunSpec], out, nproc: int) -> list[tuple[str, str]]:
     for r in runs:
         print(f"  {r.name}: launching", file=sys.stderr, flush=True)
         cmd = torchrun_command(r, Path(out) / r.name, nproc)
-        rc = subprocess.run([sys.executable, "-m", "torch.distributed.run", *cmd[1:]]).returncode
+        # after Ctrl-C, torchrun stops its ranks (not killed at once: they would train on, orphaned)
+        rc = wait_child(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *cmd[1:]]))
         if rc:
             failures.append((r.name, f"torchrun exited with status {rc}"))
             print(f"  {r.name}: FAILED (torchrun exited with status {rc})", file=sys.stderr)

@@ -14,7 +14,7 @@ PACKAGES = ("lrmoe", "baselines", "paper_figures", "ablations")
 # bottom to top; a module belongs to the layer of its longest matching prefix.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("lrmoe.registry", "lrmoe.files", "lrmoe.environment", "lrmoe.run_folder", "lrmoe.stats",
-              "lrmoe.recompute", "lrmoe.console")),
+              "lrmoe.recompute", "lrmoe.console", "lrmoe.interrupts")),
     ("planning", ("lrmoe.planning", "baselines")),
     ("sim", ("lrmoe.sim",)),
     ("kernels", ("lrmoe.kernels",)),

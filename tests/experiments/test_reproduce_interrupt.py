@@ -134,3 +134,50 @@ def test_sigterm_to_one_job_checkpoints_the_run_and_starts_no_other(tmp_path, si
     assert not left, "processes left in the group:\n" + "\n".join(left)
     _assert_checkpointed_at_its_step(out / RUNS[0])
     assert not (out / RUNS[1] / "metrics.jsonl").exists()  # the queued run never started
+
+
+def test_ctrl_c_to_the_group_says_one_line_and_leaves_no_traceback(tmp_path):
+    """Ctrl-C (a SIGINT to the whole process group, as a terminal sends it) while two workers train:
+    the workers ignore it and stop on the parent's SIGTERM, each at its step with a checkpoint; the
+    parent exits 130 with one line saying what it was doing and what is kept; no process prints a
+    traceback (a worker used to end with its own KeyboardInterrupt traceback) and none is left."""
+    out = tmp_path / "out"
+    env = dict(os.environ, LRMOE_CACHE=str(tmp_path / "cache"), HF_HOME=str(tmp_path / "hf"))
+    env.pop("LRMOE_ALPACA", None)
+    log_path = tmp_path / "reproduce.log"
+
+    def child_setup():
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.setsid()
+
+    with open(log_path, "w") as log_fh:
+        proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(out), "2"], env=env, preexec_fn=child_setup,
+                                stdout=log_fh, stderr=subprocess.STDOUT)
+    try:
+        while not all(_rows(out / r / "metrics.jsonl") >= 3 for r in RUNS[:2]):
+            assert proc.poll() is None, log_path.read_text()
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            rc = proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running {STOP_TIMEOUT_S}s after Ctrl-C:\n{log_path.read_text()[-3000:]}")
+        ps = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "-g", str(proc.pid)], capture_output=True, text=True).stdout
+        left = [line for line in ps.splitlines()
+                if line.split(None, 1)[1:] and not line.split(None, 1)[1].startswith("[")
+                and "resource_tracker" not in line]
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    log = log_path.read_text()
+    assert rc == 130, log
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
+    said = [line for line in log.splitlines() if "interrupted; rerun the same command to resume" in line]
+    assert len(said) == 1 and "Ctrl-C while training" in said[0] and "0 of 3 runs finished" in said[0], log
+    assert "2 stopped at a checkpoint" in said[0], log
+    assert not left, "processes left in the group:\n" + "\n".join(left)
+    for r in RUNS[:2]:
+        _assert_checkpointed_at_its_step(out / r)
+    assert not (out / RUNS[2] / "metrics.jsonl").exists()
