@@ -48,10 +48,14 @@ def runs(tmp_path_factory):
         t0 = time.perf_counter()
         train(TrainConfig(**RUN, **data, threads=1, fsdp=True), base / "one_rank", progress=False)
         walls["one_rank"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        train(TrainConfig(**RUN, **data, threads=1, dtype="bf16"), base / "single_bf16", progress=False)
+        walls["single_bf16"] = time.perf_counter() - t0
     cfg = dict(RUN, **data, ep=2, placement="fixed", fsdp=True)
     symi = dict(RUN, **data, ep=2, placement="symi", drop_ratio=0.2)
     for name, nproc, c, extra in (("ep2", 2, cfg, ()), ("resumed", 2, cfg, ("--stop-after", "2")),
                                   ("resumed", 2, cfg, ()), ("ep2_edp2", 4, cfg, ()),
+                                  ("ep2_bf16", 2, dict(cfg, dtype="bf16"), ()),
                                   ("symi", 2, dict(symi, record_trace=str(base / "symi.npz")), ()),
                                   ("symi_fsdp_ac", 2, dict(symi, fsdp=True, activation_checkpointing=True,
                                                            record_trace=str(base / "symi_fsdp_ac.npz")), ())):
@@ -80,6 +84,30 @@ def test_fsdp_matches_the_single_process_run(runs, name):
     assert s["status"] == "done" and s["config"]["fsdp"] is True
     assert s["distributed"]["fsdp"] is True and s["distributed"]["world_size"] == {"ep2": 2, "ep2_edp2": 4,
                                                                                     "one_rank": 1}[name]
+
+
+def test_bf16_compute_with_fp32_master_weights_under_fsdp(runs):
+    """--dtype bf16 with --fsdp on 2 ranks (FSDP2's MixedPrecisionPolicy: bf16 compute parameters,
+    fp32 reduction) follows the single-process bf16 run (autocast over fp32 parameters) to bf16's
+    rounding, and what it checkpoints is fp32: the master weights and both AdamW moments."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    single, run = metrics(runs / "single_bf16"), metrics(runs / "ep2_bf16")
+    assert [r["step"] for r in run] == [1, 2, 3, 4]
+    for a, b in zip(single, run):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-3), (a["step"], a["loss"], b["loss"])
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=2e-2)
+    fp32 = metrics(runs / "single")
+    assert any(a["loss"] != b["loss"] for a, b in zip(single, fp32))  # bf16 really computed in bf16
+    s = json.loads((runs / "ep2_bf16" / "summary.json").read_text())
+    assert s["config"]["dtype"] == "bf16" and s["distributed"]["fsdp"] is True
+    ck = torch.load(runs / "ep2_bf16" / "checkpoint.pt", map_location="cpu", weights_only=False)
+    meta = FileSystemReader(str(runs / "ep2_bf16" / ck["dcp"])).read_metadata().state_dict_metadata
+    params = {k: m for k, m in meta.items() if k.startswith("model.") and hasattr(m, "properties")}
+    moments = {k: m for k, m in meta.items() if k.startswith("optim.state.") and k.endswith(("exp_avg", "exp_avg_sq"))}
+    assert params and moments and any("experts" in k for k in params) and any("embed_tokens" in k for k in moments)
+    assert {m.properties.dtype for m in params.values()} == {m.properties.dtype for m in moments.values()} \
+        == {torch.float32}
 
 
 def test_activation_checkpointing_reuses_the_plan_on_ep_ranks(runs):
