@@ -214,6 +214,17 @@ def acc_dtype(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
     return torch.promote_types(a.dtype, b.dtype)
 
 
+def combine(alpha_TK: torch.Tensor, O_TKH: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """y[t] = sum_k alpha[t, k] O[t, k] (in the promoted dtype, returned in ``dtype``), for an
+    autograd Function's forward (no grad: ``out=``). The result is a tensor of its own, not a view:
+    FSDP2 warns of a module output that is a view (an in-place op on it would skip its hooks)."""
+    acc = acc_dtype(O_TKH, alpha_TK)
+    T, K, H = O_TKH.shape
+    y = O_TKH.new_empty(T, H, dtype=acc)
+    torch.bmm(alpha_TK.to(acc).unsqueeze(1), O_TKH.to(acc), out=y.unsqueeze(1))
+    return y.to(dtype)
+
+
 def expert_backward(G_NH, GU_N2I, X_NH, offs_E, gate_up_proj, down_proj, backend="auto", x_index=None,
                     activation=None):
     """Grouped-GEMM backward of the gated experts over the given rows (kept rows in compact mode;
@@ -337,8 +348,7 @@ class SelectiveExperts(torch.autograd.Function):
             phi_norm2_TK = row_norm2(h).index_select(0, inv_perm).view(T, K)
         del h
         O_TKH = O_P.view(T, K, O_P.shape[-1])
-        acc = acc_dtype(O_TKH, top_k_weights_TK)
-        y = torch.bmm(top_k_weights_TK.to(acc).unsqueeze(1), O_TKH.to(acc)).squeeze(1).to(hidden_TH.dtype)
+        y = combine(top_k_weights_TK, O_TKH, hidden_TH.dtype)
 
         # Compact mode re-gathers the inputs of kept rows only in backward (saving P x H of
         # activation memory); when every row is used in backward, the gathered input is kept.

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..experts import (Stopwatch, acc_dtype, autocast_off, buffer_bytes, expert_backward, gated, row_weights,
-                       score_pairs, select_within_quota)
+from ..experts import (Stopwatch, acc_dtype, autocast_off, buffer_bytes, combine, expert_backward, gated,
+                       row_weights, score_pairs, select_within_quota)
 from ..kernels.grouped_gemm import grouped_mm
 from ..kernels.routing import count_by_value, sort_pairs_by_expert, sum_rows_by_token
 from . import fake
@@ -108,8 +108,7 @@ class EPExperts(torch.autograd.Function):
                                    "fwd_phi", call.comm)
             phi_TK = phi_send.new_zeros(P).index_copy_(0, send_pair, phi_send).view(T, K)
         watch.lap("combine")
-        acc = acc_dtype(O_TKH, alpha_TK)
-        y = torch.bmm(alpha_TK.to(acc).unsqueeze(1), O_TKH.to(acc)).squeeze(1).to(hidden_TH.dtype)
+        y = combine(alpha_TK, O_TKH, hidden_TH.dtype)
         for k, v in call.comm.items():  # summed over the pieces of a split microbatch
             ep.last_forward_bytes[k] = ep.last_forward_bytes.get(k, 0) + v
         call.forward_timings = watch.times

@@ -40,8 +40,8 @@ import math
 import numpy as np
 import torch
 
-from ..experts import (acc_dtype, autocast_inputs, autocast_off, buffer_bytes, check_routing_shapes, expert_backward,
-                       experts_activation, gated, row_weights)
+from ..experts import (acc_dtype, autocast_inputs, autocast_off, buffer_bytes, check_routing_shapes, combine,
+                       expert_backward, experts_activation, gated, row_weights)
 from ..kernels.grouped_gemm import grouped_mm
 from ..kernels.routing import count_by_value, sort_pairs_by_expert, sum_rows_by_token
 from ..planning.plan import Plan
@@ -164,8 +164,7 @@ class VirtualEPExperts(torch.autograd.Function):
             hf = h.float()
             phi_TK = hf.new_zeros(P).index_copy_(0, rows_pair, (hf * hf).sum(-1)).view(T, K)
         del h
-        acc = acc_dtype(O_TKH, alpha_TK)
-        y = torch.bmm(alpha_TK.to(acc).unsqueeze(1), O_TKH.to(acc)).squeeze(1).to(hidden_TH.dtype)
+        y = combine(alpha_TK, O_TKH, hidden_TH.dtype)
         ctx.save_for_backward(hidden_TH, alpha_TK, gate_up, down, idx_TK, rows_pair, O_TKH, phi_TK, X, GU)
         ctx.call = call
         return y

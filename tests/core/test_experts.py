@@ -282,3 +282,21 @@ def test_inputs_on_another_device_are_refused():
         lrmoe_experts(x, idx, w, gu, dn.to(meta))
     with pytest.raises(ValueError, match="top_k_weights is on meta but gate_up_proj is on cpu"):
         lrmoe_experts(x, idx, w.to(meta), gu, dn)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("T", [0, 1, 7])
+def test_combine_is_the_weighted_sum_and_not_a_view(dtype, T):
+    """experts.combine (the forward's last step, in the single-process and EP Functions): the plain
+    weighted sum over the top-k outputs, in the promoted dtype, as a tensor of its own (FSDP2 warned
+    "returned a view tensor" for every EP experts module it wrapped)."""
+    from lrmoe.experts import combine
+
+    g = torch.Generator().manual_seed(T)
+    alpha = torch.rand(T, 3, generator=g, dtype=torch.float32)
+    O = torch.randn(T, 3, 5, generator=g, dtype=torch.float64).to(dtype)
+    y = combine(alpha, O, dtype)
+    ref = (alpha.double().unsqueeze(-1) * O.double()).sum(1)
+    assert y.shape == (T, 5) and y.dtype == dtype and not y._is_view()
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-12
+    torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol)
