@@ -110,8 +110,36 @@ def check(pending: list, world: int, out: Path, gpu_bytes: int, host_bytes: int,
                        f"(more GPUs without offload)")
         seen[key] = r.name if why else None
         if why:
-            refusals.append(f"  {r.name}: " + "; ".join(why))
+            alt = alternative(r.config, world, gpu_gib, host_gib, known)
+            refusals.append(f"  {r.name}: " + "; ".join(why) + (f"; {alt}" if alt else ""))
     return refusals
+
+
+#: the config fields a user may change to make a run fit (the others define the experiment)
+SCALE_FIELDS = ("world", "ep", "offload")
+
+
+def alternative(config: dict, world: int, gpu_gib: float, host_gib: float, known: dict) -> str | None:
+    """The smallest configuration among the stored estimates (``known``) that runs ``config``'s
+    experiment (the same memory fields except the world size, EP size and offload) on GPUs of
+    ``gpu_gib`` with ``host_gib`` of host memory per node, said as the flags that select it; None
+    when no stored estimate fits. Fewer GPUs first, then no offload before offload."""
+    want = {k: v for k, v in memory_config(config, world).items() if k not in SCALE_FIELDS}
+    fits = []
+    for e in known.values():
+        c = e.get("config", {})
+        if {k: v for k, v in c.items() if k not in SCALE_FIELDS} != want or e["peak_gib"] > gpu_gib:
+            continue
+        per_node = min(int(c["world"]), world)  # this node's GPUs, at most
+        if e.get("offloaded_to_host_gib", 0.0) and \
+                host_need_gib(e["offloaded_to_host_gib"], per_node) > host_gib:
+            continue
+        fits.append((int(c["world"]), c["offload"] != "none", c, e))
+    if not fits:
+        return None
+    n, _, c, e = min(fits, key=lambda f: f[:2])
+    return (f"the smallest stored configuration that fits: {n} GPUs (--ep {c['ep']} --offload {c['offload']}), "
+            f"estimated {e['peak_gib']:.1f} GiB per GPU")
 
 
 #: host memory of one training process beside its offloaded state: the CUDA context and torch's

@@ -122,3 +122,39 @@ def test_gpu1_runs_are_checked_on_an_80_gib_gpu(tmp_path):
     lines = memory_check.check(runs, 1, tmp_path, 80 * GIB, 512 * GIB, estimate=never, say=lambda s: None)
     assert len(lines) == 1 and lines[0].startswith("  glm4-C20-lrm-s0:")
     assert memory_check.check(runs, 1, tmp_path, 141e9, 512 * GIB, estimate=never, say=lambda s: None) == []
+
+
+def test_a_refusal_names_the_smallest_stored_configuration_that_fits(tmp_path, monkeypatch):
+    """GLM-4.5-Air's C20 run with its experts offloaded needs more host memory than this node has:
+    the refusal names the stored estimate of the same experiment that fits (the fewest GPUs, then no
+    offload), and none when no stored configuration fits."""
+    monkeypatch.setattr(memory_check, "COMMITTED", tmp_path / "none.json")
+    run = next(r for r in _runs("glm4") if r.name == "glm4-C20-lrm-s0")
+    path = tmp_path / memory_check.LOCAL
+
+    def store(world, ep, offload, peak, host):
+        c = dict(run.config, ep=ep, offload=offload)
+        memory_check.save(path, c, world, {"peak_gib": peak, "counted_peak_gib": peak - 3, "overhead_gib": 3.0,
+                                           "offloaded_to_host_gib": host, "categories_gib": {}, "demand": "balanced"})
+
+    store(8, 8, "experts", 44.2, 185.6)   # the preset's own: needs (185.6 + 6) x 8 GiB of host memory
+    store(8, 8, "none", 229.8, 0.0)       # does not fit an 80 GiB GPU
+    store(64, 32, "none", 40.0, 0.0)      # fits, but more GPUs than the one below (EP32 x 2 replicas)
+    store(32, 32, "none", 63.2, 0.0)      # fits
+    store(32, 32, "experts", 20.0, 50.0)  # fits too, but with offload: the same GPUs without it come first
+    other = dict(run.config, drop_ratio=0.3)  # another experiment: never named for this one
+    memory_check.save(path, dict(other, ep=16, offload="none"), 16, {
+        "peak_gib": 70.0, "counted_peak_gib": 67.0, "overhead_gib": 3.0, "offloaded_to_host_gib": 0.0,
+        "categories_gib": {}, "demand": "balanced"})
+    est = _Estimator(lambda c: pytest.fail("estimated again"))
+    lines = memory_check.check([run], 8, tmp_path, 80 * GIB, 1000 * GIB, estimate=est, say=lambda s: None)
+    assert len(lines) == 1 and "host memory" in lines[0]
+    assert lines[0].endswith("the smallest stored configuration that fits: 32 GPUs (--ep 32 --offload none), "
+                             "estimated 63.2 GiB per GPU"), lines[0]
+    # 60 GiB GPUs: only the 64-GPU configuration and the offloaded 32-GPU one fit; with 1,000 GiB of
+    # host memory the offloaded one, (50 + 6) x 8 = 448 GiB per node, fits and has fewer GPUs
+    lines = memory_check.check([run], 8, tmp_path, 60 * GIB, 1000 * GIB, estimate=est, say=lambda s: None)
+    assert lines[0].endswith("32 GPUs (--ep 32 --offload experts), estimated 20.0 GiB per GPU"), lines[0]
+    # 16 GiB GPUs: nothing stored fits; the line says what does not fit and names nothing
+    lines = memory_check.check([run], 8, tmp_path, 16 * GIB, 1000 * GIB, estimate=est, say=lambda s: None)
+    assert "per GPU" in lines[0] and "smallest stored configuration" not in lines[0]
