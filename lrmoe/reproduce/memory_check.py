@@ -106,15 +106,16 @@ def check(pending: list, world: int, out: Path, gpu_bytes: int, host_bytes: int,
         if offloaded and need_host > host_gib:
             why.append(f"its offloaded state needs {need_host:.0f} GiB of host memory on this node "
                        f"({offloaded:.0f} GiB per GPU + {HOST_PER_PROCESS_GIB:.0f} GiB per process, x {world}) > "
-                       f"{host_gib:.0f} GiB available here; docs/memory.md lists the configurations estimated "
-                       f"(more GPUs without offload)")
+                       f"{host_gib:.0f} GiB available here")
         seen[key] = r.name if why else None
         if why:
             alt = alternative(r.config, world, gpu_gib, host_gib, known)
-            refusals.append(f"  {r.name}: " + "; ".join(why) + (f"; {alt}" if alt else ""))
+            refusals.append(f"  {r.name}: " + "; ".join(why) + "; " + (alt or NO_ALTERNATIVE))
     return refusals
 
 
+NO_ALTERNATIVE = ("no stored estimate of this experiment fits here; docs/memory.md lists the configurations "
+                  "estimated (more GPUs, with or without offload); `lrmoe estimate-memory --save` adds one")
 #: the config fields a user may change to make a run fit (the others define the experiment)
 SCALE_FIELDS = ("world", "ep", "offload")
 
