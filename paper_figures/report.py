@@ -4,6 +4,7 @@ damaged and left out)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -62,7 +63,7 @@ def _report(res: Results, out: Path, paper: dict, status: dict) -> str:
         lines += [f"## {key}: {m.title}", ""]
         if state == "written":
             for f in files:
-                rel = f.relative_to(out) if f.is_relative_to(out) else f
+                rel = Path(os.path.relpath(Path(f).resolve(), Path(out).resolve()))  # resolves from report.md
                 if f.suffix == ".md":
                     lines += [_nested(f.read_text().strip()), ""]
                 elif f.suffix == ".png":

@@ -253,3 +253,20 @@ def test_figures_cli_names_a_file_it_cannot_read(fake, capsys):
     (fake / "manifest.json").write_text("{")
     assert main(["figures", "--results", str(fake)]) == 2
     assert "manifest.json: not valid JSON" in capsys.readouterr().err
+
+
+def test_report_links_resolve_from_another_out_folder(tmp_path):
+    """`lrmoe figures --results R --out DIR`: the simulated figures (F3, F5) and the probe's A1 stay
+    under R; report.md in DIR used to link them by R's path as given, which resolves from nowhere."""
+    import re
+    from pathlib import Path
+
+    from lrmoe.cli import main
+
+    cpu = Path(__file__).resolve().parents[2] / "results" / "cpu"
+    out = tmp_path / "elsewhere" / "report"
+    assert main(["figures", "--results", str(cpu), "--out", str(out), "--only", "F3,F5,A1"]) == 0
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", (out / "report.md").read_text())
+    assert len(links) >= 3 and all(not Path(link).is_absolute() for link in links)
+    for link in links:
+        assert (out / link).resolve().is_file(), link
