@@ -141,12 +141,14 @@ def scorers_far(root: Path) -> dict:
         lrm_better.append(bool(m["resolved_holm"]) and m["mean"] < 0)
     lrm_note = (f"; LRM is resolved below {sum(lrm_better)} of the 2 gradient-only scorers there" if any(lrm_better)
                 else "")
-    if verdict == "contradicted":
-        verdict += f": random is resolved (Holm) below {con} of 3 scorers at C{round(100 * d)}{lrm_note}"
+    level = f"C{round(100 * d)}"
+    if verdict == "contradicted":  # at a drop level the paper does not test: said in the verdict itself
+        verdict = (f"contradicted: at {level} only, outside the paper's C10-C30, random is resolved (Holm) below "
+                   f"{con} of 3 scorers{lrm_note}; at C20 not decided (row above)")
     elif verdict == "not decided":
-        verdict += (f": random resolved (Holm) above {pro}, below {con} of 3 scorers at C{round(100 * d)}{lrm_note}"
+        verdict += (f": random resolved (Holm) above {pro}, below {con} of 3 scorers at {level}{lrm_note}"
                     if pro or con else ": no ordering against random resolved after Holm")
-    return {"claim": "random selection is the worst scorer (T2), tested where scorers separate",
+    return {"claim": f"random selection is the worst scorer (T2), probed at {level}, where the scorers separate",
             "paper": f"random {t2['random']:.3f} vs LRM {t2['lrm']:.3f} ΔPPL at C20",
             "kit": f"ΔPPL at C{round(100 * d)} (3 seeds): " + "; ".join(cells),
             "source": f"measured, CPU: qwen3-moe-small, memorisation regime ({f})", "verdict": verdict}
