@@ -4,6 +4,8 @@ Definitions (docs/reproduce.md):
 * PPL of a step = exp(mean response-token cross-entropy of that optimizer step) on the training
   stream; a run's PPL = the mean of the per-step PPL over its final 10 % of steps (the paper: the
   mean over the final 1,000 of 10,000 steps).
+* T1 PPL over the E1 seeds: lrmoe.stats' estimate, mean [95 % t interval] (n) (one seed: the value
+  alone); the same interval as every other table, never mean +- sd.
 * T1 dPPL = PPL(Cxx) - PPL(C0), same family and seed, over the E1 seeds; a second column pairs
   every seed that has both runs (the E2 LRM runs give C20 three seeds) under the kit's statistics
   convention (lrmoe.stats: mean, 95 % t interval, Holm's correction across the table's comparisons).
@@ -47,6 +49,17 @@ def _fmt_est(e: dict | None, digits=6) -> str:
     if e.get("p") is None:
         return txt + f" (n={e['n']}" + ("; one seed: no interval)" if e["n"] == 1 else ")")
     return txt + f" (n={e['n']}; p {fmt_p(e['p'])}, Holm {fmt_p(e.get('p_holm'))})"
+
+
+def _fmt_level(e: dict | None, digits=6) -> str:
+    """A quantity's own level over seeds (T1's PPL, not a difference): ``mean [lo, hi] (n=3)`` by
+    :func:`lrmoe.stats.estimate`; one seed: the value alone (no interval); none: "not run"."""
+    if e is None or not e["n"]:
+        return NOT_RUN
+    txt = _fmt(e["mean"], digits)
+    if e["n"] == 1 or e["lo"] is None:
+        return txt
+    return txt + f" [{_fmt(e['lo'], digits)}, {_fmt(e['hi'], digits)}] (n={e['n']})"
 
 
 def apply_holm(estimates: list[dict]) -> None:
@@ -145,7 +158,8 @@ def check_comparable(res: Results) -> None:
 
 
 def t1_data(res: Results) -> list[dict]:
-    """Rows of T1: family, level, measured PPL (mean/std over E1 seeds), dPPL vs C0, paper."""
+    """Rows of T1: family, level, measured PPL over the E1 seeds (``ppl``: the mean; ``ppl_est``: the
+    :func:`lrmoe.stats.estimate`, mean and 95 % t interval), dPPL vs C0, the paired dPPL estimate."""
     seeds = res.seeds("e1_seeds")
     every = sorted({*seeds, *res.seeds("e2_seeds", default=(0, 1, 2))})
     out = []
@@ -161,13 +175,14 @@ def t1_data(res: Results) -> list[dict]:
             allp[d] = vals
             ppl[d] = {s: v for s, v in vals.items() if s in seeds}
         for d in LEVELS:
-            m, sd = mean_std(list(ppl[d].values()))
+            ppl_est = estimate([ppl[d][s] for s in sorted(ppl[d])]).to_dict()
             deltas = [ppl[d][s] - ppl[0.0][s] for s in ppl[d] if s in ppl[0.0]]
             dm, dsd = mean_std(deltas)
             c0m = mean_std(list(ppl[0.0].values()))[0]
             paired = None if d == 0.0 else estimate(
                 [allp[d][s] - allp[0.0][s] for s in sorted(allp[d]) if s in allp[0.0]]).to_dict()
-            out.append({"family": fam, "level": level_name(d), "ppl": m, "ppl_std": sd, "n": len(ppl[d]),
+            out.append({"family": fam, "level": level_name(d), "ppl": ppl_est["mean"], "ppl_est": ppl_est,
+                        "n": len(ppl[d]),
                         "delta": dm, "delta_std": dsd,
                         "delta_pct": (100 * dm / c0m) if (dm is not None and c0m) else None,
                         "delta_paired": paired})
@@ -183,7 +198,7 @@ def make_t1(res: Results, paper: dict, out: Path) -> list[Path]:
     rows = []
     for r in t1_data(res):
         is_paper = r["family"] == p["model"]
-        ppl = _fmt(r["ppl"]) + (f" ± {r['ppl_std']:.6f}" if r["ppl_std"] is not None else "")
+        ppl = _fmt_level(r["ppl_est"])
         paper_ppl = f"{pv[r['level']]:.6f}" if is_paper else "—"
         paper_pct = (f"{100 * (pv[r['level']] - pv['C0']) / pv['C0']:+.3f}" if is_paper else "—")
         rows.append([f"{FAMILY_NAMES.get(r['family'], r['family'])} ({res.model_of(r['family'])})", r["level"], ppl,
@@ -196,7 +211,10 @@ def make_t1(res: Results, paper: dict, out: Path) -> list[Path]:
     seeds = ", ".join(map(str, res.seeds("e1_seeds")))
     stats_line = (f"PPL, ΔPPL and Δ% measured: the E1 seed(s) {seeds}. The paired column pairs every seed that has "
                   f"both the level's LRM run and C0 (the E2 runs give C20 more seeds); statistics: {CONVENTION} "
-                  f"(docs/statistics.md). One seed: no interval and no test.")
+                  f"(docs/statistics.md). One seed: no interval and no test."
+                  + (" PPL measured with several E1 seeds: their mean [95 % Student t interval] (n), "
+                     "lrmoe.stats' estimate, no test (a level, not a difference)."
+                     if len(res.seeds("e1_seeds")) > 1 else ""))
     md += [md_table(head, rows), "", stats_line, ""]
     cap = (f"T1: convergence by drop level. Measured: preset {res.preset_name}, {res.scale()}, {res.hardware()}. "
            f"{stats_line} Paper: {scale}.")

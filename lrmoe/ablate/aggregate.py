@@ -5,9 +5,11 @@ and the files a user reads and plots.
 Written under the results folder:
   ``tables/<grid>.md`` and ``.tex``: the effects (every variant, every metric: mean [95 % interval]
   (n)) and the orderings (every two variants that differ in one option, paired by seed);
-  ``figures/<grid>_<metric>.png`` and ``.pdf``: the metric against the drop ratio per series with
-  interval bands (a point plot when the grid does not vary the drop ratio), the paper's points
-  beside them for ΔPPL; ``ablation.json``: every number, the per-seed values included.
+  ``figures/<grid>_<metric>.png`` and ``.pdf`` (:func:`figure`): for a paired metric a dot plot, one
+  panel per family and drop level, each variant's mean and 95 % t interval with a line at 0 for the
+  baseline, and for ΔPPL of a scorer grid the paper's T2 values in a log-axis panel beside; for the
+  kept fraction a line against the drop level (two or more levels only); none for a grid with a
+  single variant (the table says it all); ``ablation.json``: every number, the per-seed values included.
 
 What each run folder holds is :func:`lrmoe.run_folder.run_state`'s answer (the run machinery reads
 the same): a damaged run is named in the tables and the JSON and left out of every mean, never

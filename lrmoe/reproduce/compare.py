@@ -1,5 +1,10 @@
-"""A rerun's tables beside the reference's and the paper's, cell by cell (``compare.md`` and
-``compare.json``; `lrmoe reproduce` prints the Markdown last).
+"""A rerun check: this machine's tables beside the committed reference's, cell by cell
+(``compare.md`` and ``compare.json``; `lrmoe reproduce` prints the Markdown last).
+
+It answers one question: does this rerun reproduce the reference within the reference's seed
+spread? It is **not** a test of the paper's claims: those are judged only by the README's verdict
+(:mod:`paper_figures.verdict`), under the statistics convention of docs/statistics.md. The paper's
+numbers are shown beside each cell for orientation only, with no agrees/differs status.
 
 The reference is a results folder of the same preset, by default the committed
 ``results/<preset>/``. Every T1 cell (PPL and ΔPPL vs C0 per model family and drop level) and T2
@@ -15,9 +20,8 @@ judged against the reference's:
 The seed spread of a quantity is the range (max − min) of its per-seed values over the seeds the
 reference has run: T2 cells over their own seeds; a T1 level with one seed borrows the spread of
 the nearest quantity with several seeds (PPL: C0's PPL over its seeds; ΔPPL: the ΔPPL of the E2
-level, C20 with the LRM scorer), and says so (``spread_from``). The paper's ΔPPL values are
-judged the same way (their own scale: ``agrees`` means within the reference's seed spread of the
-paper's number); absolute PPL is ``not comparable`` with the paper (other models, tokenizer, data).
+level, C20 with the LRM scorer), and says so (``spread_from``). This is a reproducibility
+tolerance (is a moved cell within what changing the seed moves it?), not a statistical test.
 
 Besides the cells: per run present in both folders, whether the loss curves are bit-identical or
 the first step where they differ, and the environment fields in which the two folders' runs differ
@@ -30,10 +34,14 @@ from lrmoe.files import write_json, write_text
 from paper_figures import FAMILY_NAMES, Results, level_name, paper_numbers
 from paper_figures.tables import LEVELS, SCORER_NAMES, check_comparable, t1_data, t2_data
 
-FORMAT = "lrmoe-compare/1"
+FORMAT = "lrmoe-compare/2"  # 2: no "vs_paper" status; the paper's value is shown only
 STATUSES = ("identical", "agrees", "differs", "unjudged", "missing")
 ENV_KEYS = ("cpu_model", "cpu_count", "threads", "torch", "git", "python", "transformers", "numpy", "platform",
             "device", "gpu")
+SCOPE = ("This is a **rerun check**: does this machine reproduce the committed reference within the reference's "
+         "seed spread? It is not a test of the paper's claims; those are judged only by the README's verdict "
+         "(paper_figures/verdict.py) under docs/statistics.md. The paper's values are shown beside the cells for "
+         "orientation, with no agrees/differs status.")
 SPREAD_RULE = ("a cell agrees when it differs from the reference by no more than the reference's seed spread of "
                "that quantity: the range (max - min) of its per-seed values over the seeds the reference ran (a T1 "
                "level with one seed borrows the spread of C0's PPL, or of the C20 LRM ΔPPL, over their seeds)")
@@ -96,11 +104,12 @@ def judge(value, other, spread) -> str:
     return "agrees" if abs(value - other) <= spread else "differs"
 
 
-def _cell(table, family, row, qty, user, refv, spread, spread_from, paper=None, paper_status=None, note=""):
+def _cell(table, family, row, qty, user, refv, spread, spread_from, paper=None, note=""):
+    """One cell: judged against the reference only; ``paper`` is the paper's value, shown for
+    orientation and never judged (the paper's claims are judged by :mod:`paper_figures.verdict`)."""
     c = {"table": table, "family": family, "row": row, "quantity": qty, "user": user, "reference": refv,
          "difference": (user - refv) if user is not None and refv is not None else None,
-         "spread": spread, "spread_from": spread_from, "vs_reference": judge(user, refv, spread), "paper": paper,
-         "vs_paper": paper_status or ("no paper value" if paper is None else judge(user, paper, spread))}
+         "spread": spread, "spread_from": spread_from, "vs_reference": judge(user, refv, spread), "paper": paper}
     if note:
         c["note"] = note
     return c
@@ -119,7 +128,6 @@ def _t1_cells(user: Results, ref: Results, paper: dict) -> list[dict]:
             sp = _t1_spreads(ref, fam, d)
             cells.append(_cell("T1", fam, lv, "PPL", u.get("ppl"), r.get("ppl"), *sp["PPL"],
                                paper=pv.get(lv) if fam == pt["model"] else None,
-                               paper_status="not comparable" if fam == pt["model"] else None,
                                note="absolute PPL: other models, tokenizer and data than the paper's"
                                if fam == pt["model"] else ""))
             if d == 0.0:
@@ -175,8 +183,9 @@ def _environment(res: Results) -> dict:
 
 
 def compare(user_dir, reference_dir) -> dict:
-    """Every T1/T2 cell of ``user_dir`` against ``reference_dir`` and the paper (module docstring);
-    a JSON-ready dict. Raises what :meth:`paper_figures.Results.load` raises (a corrupt manifest)
+    """Every T1/T2 cell of ``user_dir`` judged against ``reference_dir`` (the paper's value beside,
+    not judged; module docstring); a JSON-ready dict. Raises what
+    :meth:`paper_figures.Results.load` raises (a corrupt manifest)
     and :class:`paper_figures.AmbiguousRuns` (or its :class:`~paper_figures.IncomparableRuns`)."""
     user, ref = Results.load(user_dir), Results.load(reference_dir)
     for res in (user, ref):
@@ -186,14 +195,13 @@ def compare(user_dir, reference_dir) -> dict:
     eu, er = _environment(user), _environment(ref)
     env_diff = {k: {"user": eu.get(k), "reference": er.get(k)} for k in dict.fromkeys([*er, *eu])
                 if eu.get(k) != er.get(k)}
-    summary = {side: {s: sum(c[side] == s for c in cells) for s in dict.fromkeys(
-        [*STATUSES, *(c[side] for c in cells)]) if any(c[side] == s for c in cells)}
-        for side in ("vs_reference", "vs_paper")}
+    summary = {"vs_reference": {s: sum(c["vs_reference"] == s for c in cells) for s in STATUSES
+                                if any(c["vs_reference"] == s for c in cells)}}
     return {"format": FORMAT, "user": {"dir": str(user.dir), "preset": user.preset_name, "hardware": user.hardware(),
                                        "machine": (user.manifest or {}).get("machine"), "environment": eu},
             "reference": {"dir": str(ref.dir), "preset": ref.preset_name, "hardware": ref.hardware(),
                           "machine": (ref.manifest or {}).get("machine"), "environment": er},
-            "environment_differences": env_diff, "rule": SPREAD_RULE, "why": WHY, "summary": summary,
+            "environment_differences": env_diff, "scope": SCOPE, "rule": SPREAD_RULE, "why": WHY, "summary": summary,
             "cells": cells, "runs": _runs(user, ref),
             "damaged": {"user": dict(user.damaged), "reference": dict(ref.damaged)}}
 
@@ -207,9 +215,17 @@ def _num(v, sign=False) -> str:
     return f"{v:+.6f}" if sign else f"{v:.6f}"
 
 
+def _paper(c: dict, sign: bool) -> str:
+    """The paper's value of a cell, for orientation only (no status)."""
+    if c.get("paper") is None:
+        return "—"
+    return _num(c["paper"], sign) + (" (absolute PPL: other models and data)" if c["quantity"] == "PPL" else "")
+
+
 def render_markdown(result: dict) -> str:
     u, r = result["user"], result["reference"]
-    lines = [f"# This rerun vs the reference and the paper (preset `{u['preset']}`)", "",
+    lines = [f"# Rerun check: this rerun vs the committed reference (preset `{u['preset']}`)", "",
+             SCOPE, "",
              f"- this rerun: `{u['dir']}/`, {u['hardware']}" + (f", revision {u['environment']['git']}"
                                                                  if u["environment"].get("git") else ""),
              f"- reference: `{r['dir']}/`, {r['hardware']}" + (f", revision {r['environment']['git']}"
@@ -237,24 +253,27 @@ def render_markdown(result: dict) -> str:
                          + ", ".join(f"`{n}`" for n in result["damaged"][side]))
     s = result["summary"]
     lines += ["", "**Summary.** vs the reference: " + ", ".join(f"{n} {k}" for k, n in s["vs_reference"].items())
-              + "; vs the paper: " + ", ".join(f"{n} {k}" for k, n in s["vs_paper"].items()) + ".", "",
+              + ".", "",
               "| Table | Model | Row | Quantity | this rerun | reference | difference | seed spread (reference) | "
-              "vs reference | paper | vs paper |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "vs reference | paper's value (for orientation; not judged) |", "|---" * 10 + "|"]
     for c in result["cells"]:
         sign = c["quantity"] != "PPL"
         lines.append(f"| {c['table']} | {FAMILY_NAMES.get(c['family'], c['family'])} | {c['row']} | {c['quantity']} | "
                      f"{_num(c['user'], sign)} | {_num(c['reference'], sign)} | {_num(c['difference'], True)} | "
                      f"{_num(c['spread'])} ({c['spread_from']}) | **{c['vs_reference']}** | "
-                     f"{_num(c['paper'], sign)} | {c['vs_paper']} |")
+                     f"{_paper(c, sign)} |")
     off = [c for c in result["cells"] if c["vs_reference"] == "differs"]
     lines += [""]
     if off:
         lines += ["**Cells outside the reference's seed spread:** " + "; ".join(
             f"{c['table']} {FAMILY_NAMES.get(c['family'], c['family'])} {c['row']} {c['quantity']} "
             f"({_num(c['difference'], True)}, spread {_num(c['spread'])})" for c in off) + ".", ""]
-    lines += [f"**How cells are judged.** {SPREAD_RULE}. The paper's values are judged against the same spread; "
-              f"they come from 10⁴× larger models trained 50× longer, so a cell that differs from the paper "
-              f"measures that gap (README, \"Reading\"). The T2 paper values' averaging window is not stated.", "",
+    lines += [f"**How cells are judged.** Against the reference only: {SPREAD_RULE}. This is a reproducibility "
+              f"tolerance, not a statistical test. The paper's column is printed for orientation and judged by "
+              f"nothing here: its values come from 10⁴× larger models trained 50× longer (absolute PPL from other "
+              f"models, tokenizer and data; the T2 values' averaging window is not stated). Whether the paper's "
+              f"claims hold is decided only by the README's verdict (paper_figures/verdict.py), over seeds with "
+              f"the paired t intervals and Holm's correction of docs/statistics.md.", "",
               f"**Why cells can differ.** {WHY}", ""]
     return "\n".join(lines)
 
@@ -265,5 +284,5 @@ def write_comparison(result: dict, out) -> list[Path]:
     return [write_text(out / "compare.md", render_markdown(result)), write_json(out / "compare.json", result)]
 
 
-__all__ = ["FORMAT", "SPREAD_RULE", "STATUSES", "WHY", "compare", "judge", "render_markdown",
+__all__ = ["FORMAT", "SCOPE", "SPREAD_RULE", "STATUSES", "WHY", "compare", "judge", "render_markdown",
            "write_comparison"]

@@ -102,11 +102,11 @@ def test_agree_differ_missing_and_spreads(tmp_path):
     assert t2["difference"] == pytest.approx(0.5 / 3) and t2["spread"] == pytest.approx(0.02)
     assert t2["vs_reference"] == "differs"
     assert c[("T2", "LRM", "ΔPPL vs C0 (final 10 %)")]["vs_reference"] == "identical"
-    # the paper: absolute PPL is not comparable; ΔPPL judged against the same spread
-    assert c[("T1", "C10", "PPL")]["vs_paper"] == "not comparable"
+    # the paper's values are shown for orientation only: no cell is judged against them
+    assert c[("T1", "C10", "PPL")]["paper"] == pytest.approx(1.015156)
     assert c[("T1", "C10", "ΔPPL vs C0")]["paper"] == pytest.approx(1.015156 - 1.015190)
-    assert c[("T1", "C10", "ΔPPL vs C0")]["vs_paper"] == "agrees"
-    assert t2["paper"] == pytest.approx(0.775797) and t2["vs_paper"] == "differs"
+    assert t2["paper"] == pytest.approx(0.775797)
+    assert not any("vs_paper" in x for x in r["cells"]) and set(r["summary"]) == {"vs_reference"}
     runs = {x["run"]: x for x in r["runs"]}
     assert runs["qwen3-C20-random-s0"]["first_differing_step"] == 1 and runs["qwen3-C00-s0"]["identical"]
     assert "qwen3-C30-lrm-s0" not in runs
@@ -115,9 +115,22 @@ def test_agree_differ_missing_and_spreads(tmp_path):
     md = render_markdown(r)
     assert "**differs**" in md and "Cells outside the reference's seed spread:** T2 Qwen3-MoE random" in md
     assert "Why cells can differ" in md and "cpu_model: 'Other CPU' here" in md
+    # a rerun check, not a test of the paper: said in the header, no agrees/differs word for the paper
+    assert md.startswith("# Rerun check: this rerun vs the committed reference")
+    assert "It is not a test of the paper's claims" in md and "paper_figures/verdict.py" in md
+    assert "vs the paper" not in md and "| vs paper |" not in md
+    assert "| paper's value (for orientation; not judged) |" in md
+    header = next(line for line in md.splitlines() if line.startswith("| Table |"))
+    rows = [line for line in md.splitlines() if line.startswith(("| T1 |", "| T2 |"))]
+    assert rows and all(row.count(" | ") == header.count(" | ") for row in rows)
+    for row in rows:  # one status word per row: the vs reference column's
+        assert sum(row.count(w) for w in ("agrees", "differs", "identical", "missing", "unjudged")) == 1, row
+    t1_c10 = next(row for row in rows if "| C10 | ΔPPL vs C0 |" in row)
+    assert t1_c10.endswith(f"| {1.015156 - 1.015190:+.6f} |"), t1_c10
     files = write_comparison(r, user)
     assert [f.name for f in files] == ["compare.md", "compare.json"]
-    assert json.loads(files[1].read_text())["format"] == "lrmoe-compare/1"
+    written = json.loads(files[1].read_text())
+    assert written["format"] == "lrmoe-compare/2" and "not a test of the paper" in written["scope"]
 
 
 def test_figures_refuse_non_comparable_runs(tmp_path, capsys):
