@@ -298,25 +298,34 @@ def figure(a: dict, g: Grid, metric: str, out: Path) -> list[Path]:
     paper = metric == "dppl_final" and "scorer" in g.varied()
     cols = [*(drops or [None])]
     ncol = len(cols) + paper
-    fig, axes = plt.subplots(len(fams), ncol, figsize=(1.2 + (1.1 + 0.55 * len(all_series)) * ncol, 3.4 * len(fams)),
-                             squeeze=False)
+
+    def estimate_of(fam, d, s):
+        e = next((e for e in a["effects"] if e["variant"]["family"] == fam and e["variant"].get("drop_ratio") == d
+                  and tuple(e["variant"].get(k) for k in series_keys) == s), None)
+        est = e["metrics"][metric] if e else None
+        return est if est and est["n"] else None
+
+    # each panel shows the variants it has (a grid with LRM alone at C10 and C30 left empty slots);
+    # its width follows their number, the most any family has at that level
+    shown = {(fam, d): [s for s in all_series if estimate_of(fam, d, s)] for fam in fams for d in cols}
+    widths = [max(1, *(len(shown[fam, d]) for fam in fams)) for d in cols] + ([len(all_series)] if paper else [])
+    fig, axes = plt.subplots(len(fams), ncol, squeeze=False, gridspec_kw={"width_ratios": [0.6 + w for w in widths]},
+                             figsize=(1.2 + sum(1.1 + 0.55 * w for w in widths), 3.4 * len(fams)))
     colors = dict(zip(all_series, sns.color_palette("colorblind", max(1, len(all_series)))))
-    names = [" ".join(_series_label(k, v) for k, v in zip(series_keys, s)) or "variant" for s in all_series]
+    name_of = {s: " ".join(_series_label(k, v) for k, v in zip(series_keys, s)) or "variant" for s in all_series}
+    names = [name_of[s] for s in all_series]
     for j, fam in enumerate(fams):
         for c, d in enumerate(cols):
             ax = axes[j][c]
-            for i, s in enumerate(all_series):
-                e = next((e for e in a["effects"] if e["variant"]["family"] == fam and e["variant"].get("drop_ratio") == d
-                          and tuple(e["variant"].get(k) for k in series_keys) == s), None)
-                est = e["metrics"][metric] if e else None
-                if not est or not est["n"]:
-                    continue
+            here = shown[fam, d]
+            for i, s in enumerate(here):
+                est = estimate_of(fam, d, s)
                 err = None if est["lo"] is None else [[est["mean"] - est["lo"]], [est["hi"] - est["mean"]]]
                 ax.errorbar([i], [est["mean"]], yerr=err, fmt="o", ms=5, capsize=4, color=colors[s])
             ax.axhline(0.0, color="0.3", lw=0.8)
-            ax.set_xticks(range(len(all_series)))
-            ax.set_xticklabels(names, fontsize=7, rotation=30, ha="right")
-            ax.set_xlim(-0.6, len(all_series) - 0.4)
+            ax.set_xticks(range(len(here)))
+            ax.set_xticklabels([name_of[s] for s in here], fontsize=7, rotation=30, ha="right")
+            ax.set_xlim(-0.6, max(1, len(here)) - 0.4)
             ax.tick_params(axis="y", labelsize=7)
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4), useMathText=True)
             ax.set_title(f"{FAMILY_NAMES.get(fam, fam)}" + (f", C{round(d * 100)}" if d is not None else ""), fontsize=8)
@@ -393,9 +402,15 @@ def _paper_panel(ax, fam, all_series, series_keys, colors, names) -> None:
         sc = s[series_keys.index("scorer")] if "scorer" in series_keys else None
         if sc in vals:
             ax.scatter([i], [vals[sc]], marker="D", s=28, color=colors[s])
+            ax.annotate(f"{vals[sc]:.3g}", (i, vals[sc]), textcoords="offset points", xytext=(6, 0), fontsize=6.5,
+                        va="center")
     ax.set_yscale("log")
-    from matplotlib.ticker import NullFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+    # labels at 1, 2 and 5 times each power of ten, as plain numbers: a range of one or two
+    # decades gets several (a single 10^-1 label said nothing)
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_xticks(range(len(all_series)))
     ax.set_xticklabels(names, fontsize=7, rotation=30, ha="right")
