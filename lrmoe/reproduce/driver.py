@@ -347,8 +347,8 @@ def _preflight(p, out: Path, pending: list[RunSpec]) -> str | None:
 def _finish(p, out, runs, pending, failures, wall, jobs, only, figures, at_start, reference, simulate=True,
             stage: _Stage | None = None) -> int:
     """reproduce.json (with the machine and its load at the start and the end), then the
-    simulated tables, the figures and the comparison with the reference and the paper (printed
-    last); the exit code. ``stage`` says which step runs."""
+    simulated tables, the figures and the rerun check against the reference, the paper's values
+    beside (printed last); the exit code. ``stage`` says which step runs."""
     stage = stage or _Stage()
     stage.now = "writing the call's record"
     at_end = machine()
@@ -393,7 +393,8 @@ def _finish(p, out, runs, pending, failures, wall, jobs, only, figures, at_start
                 print(f"{p.prog}: no comparison with {reference}/: {e}", file=sys.stderr)
                 return 1
             files = write_comparison(result, out)
-            print(f"comparison with {reference}/ and the paper: {', '.join(str(f) for f in files)}", file=sys.stderr)
+            print(f"rerun check against {reference}/ (the paper's values beside, not judged): "
+                  f"{', '.join(str(f) for f in files)}", file=sys.stderr)
             sys.stdout.write("\n" + render_markdown(result))
             sys.stdout.flush()
     return 1 if failures or step_failed else 0
