@@ -103,6 +103,8 @@ def figure_a1(records: list[dict], out: Path) -> list[Path]:
     order = _order(records)
     colour_keys = list(dict.fromkeys(v.split("/")[0] for v in order))
     colours = dict(zip(colour_keys, sns.color_palette("tab10", len(colour_keys))))
+    last = max(1, len(colour_keys) - 1)
+    width = {k: 1.0 + 4.0 * (last - n) / last for n, k in enumerate(colour_keys)}  # the first drawn widest
     selections = [sel for sel in ("top", "sample") if any(v.endswith("/" + sel) for v in order)]
     cols = [(c, sel) for c in checkpoints for sel in selections]
     fig, axes = plt.subplots(len(params), len(cols), figsize=(4.1 * len(cols), 6.6), squeeze=False)
@@ -117,15 +119,17 @@ def figure_a1(records: list[dict], out: Path) -> list[Path]:
                 xs = [d for d in drops if (c, v, d) in m]
                 if vs != sel or not xs:
                     continue
+                # the first colours drawn widest: a series that coincides with an earlier one (the two
+                # gradient-only scorers keep the same pairs under top-quota) shows as a line in a band
                 ax.plot(xs, [m[(c, v, d)] for d in xs], marker="o" if sel == "top" else "x", markersize=3.5,
-                        linestyle="-" if sel == "top" else "--", color=colours[base], linewidth=1.4)
+                        linestyle="-" if sel == "top" else "--", color=colours[base], linewidth=width[base])
             ax.set_title(f"{c} model, {p}_proj\n{sel_name.get(sel, sel)}", fontsize=9)
             ax.set_xlabel("drop ratio")
             ax.set_xticks([d for d in drops if d in (0.0, 0.2, 0.5, 0.7, 0.9)] or drops)
             ax.set_ylim(bottom=0)
             if j == 0:
                 ax.set_ylabel("relative error of the expert\nweight gradient ‖G − G_full‖ / ‖G_full‖", fontsize=8)
-    handles = [Line2D([], [], color=colours[k], lw=2) for k in colour_keys]
+    handles = [Line2D([], [], color=colours[k], lw=width[k]) for k in colour_keys]
     labels = list(colour_keys)
     handles += [Line2D([], [], color="0.3", ls="-", marker="o", ms=3.5), Line2D([], [], color="0.3", ls="--", marker="x",
                                                                                  ms=3.5)]
@@ -133,7 +137,8 @@ def figure_a1(records: list[dict], out: Path) -> list[Path]:
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False,
                bbox_to_anchor=(0.5, -0.01))
     fig.suptitle("Figure A1 (measured, float32, cpu scale; not in the paper): expert weight gradient error against "
-                 "the full backward, end to end, mean over MoE layers; colour: scorer (LRM per φ)", fontsize=9)
+                 "the full backward, end to end, mean over MoE layers; colour: scorer (LRM per φ); wider lines "
+                 "drawn first, so coinciding series show as a thin line inside a band", fontsize=9)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     paths = save_figure(fig, out, "figure_a1")
     plt.close(fig)
