@@ -119,8 +119,8 @@ def figure_a1(records: list[dict], out: Path) -> list[Path]:
                 xs = [d for d in drops if (c, v, d) in m]
                 if vs != sel or not xs:
                     continue
-                # the first colours drawn widest: a series that coincides with an earlier one (the two
-                # gradient-only scorers keep the same pairs under top-quota) shows as a line in a band
+                # the first colours drawn widest: a series that coincides with an earlier one (here the two
+                # gradient-only scorers under top-quota, on the trained model) shows as a line in a band
                 ax.plot(xs, [m[(c, v, d)] for d in xs], marker="o" if sel == "top" else "x", markersize=3.5,
                         linestyle="-" if sel == "top" else "--", color=colours[base], linewidth=width[base])
             ax.set_title(f"{c} model, {p}_proj\n{sel_name.get(sel, sel)}", fontsize=9)
