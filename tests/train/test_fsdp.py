@@ -4,8 +4,8 @@ the EP runtime, on gloo CPU processes launched by torchrun (qwen3-moe-tiny, the 
 The runs' losses, gradient norms and evaluation equal the single-process run's (the tolerances of
 tests/train/test_ep.py) on 2 processes (ep 2: every expert on one rank) and on 4 (ep 2, two
 expert-data-parallel replicas: FSDP shards each expert block over them); a run stopped after 2
-steps and resumed equals the uninterrupted one exactly; one process with --fsdp (a one-rank group)
-equals the plain run."""
+steps and resumed on 4 processes equals the uninterrupted one exactly; one process with --fsdp (a
+one-rank group) equals the plain run."""
 from __future__ import annotations
 
 import json
@@ -53,8 +53,10 @@ def runs(tmp_path_factory):
         walls["single_bf16"] = time.perf_counter() - t0
     cfg = dict(RUN, **data, ep=2, placement="fixed", fsdp=True)
     symi = dict(RUN, **data, ep=2, placement="symi", drop_ratio=0.2)
-    for name, nproc, c, extra in (("ep2", 2, cfg, ()), ("resumed", 2, cfg, ("--stop-after", "2")),
-                                  ("resumed", 2, cfg, ()), ("ep2_edp2", 4, cfg, ()),
+    for name, nproc, c, extra in (("ep2", 2, cfg, ()), ("ep2_edp2", 4, cfg, ()),
+                                  # stopped after 2 steps and resumed on 4 ranks: each expert block's
+                                  # AdamW state is sharded over its 2 replicas, the hardest case to restore
+                                  ("resumed", 4, cfg, ("--stop-after", "2")), ("resumed", 4, cfg, ()),
                                   ("ep2_bf16", 2, dict(cfg, dtype="bf16"), ()),
                                   ("ep2_offload", 2, dict(cfg, offload="experts"), ()),
                                   ("symi", 2, dict(symi, record_trace=str(base / "symi.npz")), ()),
@@ -147,7 +149,7 @@ def test_activation_checkpointing_reuses_the_plan_on_ep_ranks(runs):
 
 
 def test_fsdp_resume_reproduces_the_uninterrupted_run(runs):
-    full, resumed = metrics(runs / "ep2"), metrics(runs / "resumed")
+    full, resumed = metrics(runs / "ep2_edp2"), metrics(runs / "resumed")
     for key in ("loss", "grad_norm", "lr", "epoch", "layers", "eval_loss", "comm_bytes"):
         assert [r.get(key) for r in full] == [r.get(key) for r in resumed], key
     assert json.loads((runs / "resumed" / "summary.json").read_text())["resumed_from"] == [2]
@@ -188,17 +190,21 @@ def _exported(runs, name):
 
 
 def test_export_hf_of_a_sharded_checkpoint(runs):
-    """lrmoe export-hf: the 2-rank FSDP set, resumed or not, exports the same weights bit for bit;
-    the single-process checkpoint exports weights within the runs' agreement; all load with
-    from_pretrained, also stock transformers' without the kit's experts (same weights and logits)."""
+    """lrmoe export-hf: the 4-rank FSDP set (experts sharded over 2 replicas), resumed or not, exports
+    the same weights bit for bit; the 2-rank and single-process checkpoints export weights within the
+    runs' agreement; all load with from_pretrained, also stock transformers' without the kit's experts
+    (same weights and logits)."""
     assert (runs / "ep2" / "checkpoint.step4.dcp").is_dir()
     a, b, single = _exported(runs, "ep2"), _exported(runs, "resumed"), _exported(runs, "single")
+    edp = _exported(runs, "ep2_edp2")
     assert (runs / "export-ep2" / "model.safetensors.index.json").exists()
     pa, pb, ps = dict(a.named_parameters()), dict(b.named_parameters()), dict(single.named_parameters())
-    assert pa.keys() == pb.keys() == ps.keys()
+    pe = dict(edp.named_parameters())
+    assert pa.keys() == pb.keys() == ps.keys() == pe.keys()
     for k in pa:
-        assert torch.equal(pa[k], pb[k]), k
+        assert torch.equal(pe[k], pb[k]), k
         assert torch.allclose(pa[k], ps[k], atol=2e-3, rtol=0), (k, (pa[k] - ps[k]).abs().max())
+        assert torch.allclose(pa[k], pe[k], atol=2e-3, rtol=0), (k, (pa[k] - pe[k]).abs().max())
     # a user without the kit: stock transformers (its own experts) loads the folder to the same model
     import json as _json
 
