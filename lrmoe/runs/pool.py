@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lrmoe.interrupts import blocked_in_children, caused_by_interrupt, signal_name, unblock
+from lrmoe.interrupts import blocked_in_children, caused_by_interrupt, ignore_sigint, signal_name, unblock
 from lrmoe.train import Interrupted
 from lrmoe.train.loop import request_stop
 
@@ -74,9 +74,9 @@ def _worker_start() -> None:
     """Pool worker initializer: SIGINT is ignored (the parent decides), SIGTERM is the parent's
     stop (:func:`_worker_on_term`). Both were blocked since the parent started this process
     (:func:`lrmoe.interrupts.blocked_in_children`); one that came meanwhile is handled now."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _worker_on_term)
-    unblock(signal.SIGINT, signal.SIGTERM)
+    ignore_sigint()  # (unblocks SIGINT)
+    unblock(signal.SIGTERM)
 
 
 def _worker_on_term(signum, frame) -> None:

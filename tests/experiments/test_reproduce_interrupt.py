@@ -51,14 +51,15 @@ def _rows(path):
         return 0
 
 
-def _sigterm_once_training(tmp_path, jobs: int, training: list[str], sigint=signal.SIG_DFL):
+def _stop_once_training(tmp_path, jobs: int, training: list[str], sigint=signal.SIG_DFL, ctrl_c=False):
     """Start the driver in its own process group with SIGINT set to ``sigint`` (SIG_IGN: as a
     background job inherits it), wait until every run of ``training`` has logged 3 steps, SIGTERM
     the parent only (as a scheduler would); returns (exit status, log, processes of the group still
     running other than multiprocessing's resource tracker, results folder).
 
     With SIGINT ignored, a SIGINT to the whole group (what Ctrl-C sends) comes first: every run
-    goes on training (2 more steps each) and the driver keeps running."""
+    goes on training (2 more steps each) and the driver keeps running. ``ctrl_c``: the stop is that
+    SIGINT to the whole group instead of the SIGTERM."""
     out = tmp_path / "out"
     env = dict(os.environ, LRMOE_CACHE=str(tmp_path / "cache"), HF_HOME=str(tmp_path / "hf"))
     env.pop("LRMOE_ALPACA", None)
@@ -78,14 +79,17 @@ def _sigterm_once_training(tmp_path, jobs: int, training: list[str], sigint=sign
                                 preexec_fn=child_setup, stdout=log_fh, stderr=subprocess.STDOUT)
     try:
         wait_rows(3)
-        if sigint == signal.SIG_IGN:
+        if sigint == signal.SIG_IGN and not ctrl_c:
             os.killpg(proc.pid, signal.SIGINT)
             wait_rows(max(_rows(out / r / "metrics.jsonl") for r in training) + 2)
-        os.kill(proc.pid, signal.SIGTERM)
+        if ctrl_c:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            os.kill(proc.pid, signal.SIGTERM)
         try:
             rc = proc.wait(timeout=STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"still running {STOP_TIMEOUT_S}s after SIGTERM:\n{log_path.read_text()[-3000:]}")
+            pytest.fail(f"still running {STOP_TIMEOUT_S}s after the stop:\n{log_path.read_text()[-3000:]}")
         # -ww: without a terminal ps cuts each line at 80 columns, and under a long checkout path
         # the tracker's "from multiprocessing.resource_tracker import main" lost its name to the cut.
         ps = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "-g", str(proc.pid)], capture_output=True, text=True).stdout
@@ -116,7 +120,7 @@ def test_sigterm_lets_parallel_workers_checkpoint_and_exit(tmp_path, sigint):
     them as SIGINT, which they ignored; they trained on until the grace period ended.
     The third run is queued: the executor hands it to the first worker that stops, which used to
     train it, unsignalled, until the grace period ended (here: never)."""
-    rc, log, left, out = _sigterm_once_training(tmp_path, jobs=2, training=list(RUNS[:2]), sigint=sigint)
+    rc, log, left, out = _stop_once_training(tmp_path, jobs=2, training=list(RUNS[:2]), sigint=sigint)
     assert rc == 130, log
     assert "interrupted; rerun the same command to resume" in log
     assert not left, "processes left in the group:\n" + "\n".join(left)
@@ -130,7 +134,7 @@ def test_sigterm_to_one_job_checkpoints_the_run_and_starts_no_other(tmp_path, si
     """With --jobs 1 the run trains in the parent itself: SIGTERM used to kill it at once (status
     -15, no checkpoint, its steps since the last periodic checkpoint lost); later, with SIGINT
     ignored, it did nothing at all (it was turned into a SIGINT, which the training loop ignores)."""
-    rc, log, left, out = _sigterm_once_training(tmp_path, jobs=1, training=[RUNS[0]], sigint=sigint)
+    rc, log, left, out = _stop_once_training(tmp_path, jobs=1, training=[RUNS[0]], sigint=sigint)
     assert rc == 130, log
     assert "interrupted; rerun the same command to resume" in log
     assert not left, "processes left in the group:\n" + "\n".join(left)
@@ -143,37 +147,7 @@ def test_ctrl_c_to_the_group_says_one_line_and_leaves_no_traceback(tmp_path):
     the workers ignore it and stop on the parent's SIGTERM, each at its step with a checkpoint; the
     parent exits 130 with one line saying what it was doing and what is kept; no process prints a
     traceback (a worker used to end with its own KeyboardInterrupt traceback) and none is left."""
-    out = tmp_path / "out"
-    env = dict(os.environ, LRMOE_CACHE=str(tmp_path / "cache"), HF_HOME=str(tmp_path / "hf"))
-    env.pop("LRMOE_ALPACA", None)
-    log_path = tmp_path / "reproduce.log"
-
-    def child_setup():
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.setsid()
-
-    with open(log_path, "w") as log_fh:
-        proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(out), "2"], env=env, preexec_fn=child_setup,
-                                stdout=log_fh, stderr=subprocess.STDOUT)
-    try:
-        while not all(_rows(out / r / "metrics.jsonl") >= 3 for r in RUNS[:2]):
-            assert proc.poll() is None, log_path.read_text()
-            time.sleep(0.2)
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            rc = proc.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"still running {STOP_TIMEOUT_S}s after Ctrl-C:\n{log_path.read_text()[-3000:]}")
-        ps = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "-g", str(proc.pid)], capture_output=True, text=True).stdout
-        left = [line for line in ps.splitlines()
-                if line.split(None, 1)[1:] and not line.split(None, 1)[1].startswith("[")
-                and "resource_tracker" not in line]
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    log = log_path.read_text()
+    rc, log, left, out = _stop_once_training(tmp_path, jobs=2, training=list(RUNS[:2]), ctrl_c=True)
     assert rc == 130, log
     assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
     said = [line for line in log.splitlines() if "interrupted; rerun the same command to resume" in line]
