@@ -137,7 +137,7 @@ def figure_a1(records: list[dict], out: Path) -> list[Path]:
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False,
                bbox_to_anchor=(0.5, -0.01))
     fig.suptitle("Figure A1 (measured, float32, cpu scale; not in the paper): expert weight gradient error against "
-                 "the full backward, end to end, mean over MoE layers; colour: scorer (LRM per φ); wider lines "
+                 "the full backward, end to end, mean over MoE layers\ncolour: scorer (LRM per φ); wider lines "
                  "drawn first, so coinciding series show as a thin line inside a band", fontsize=9)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     paths = save_figure(fig, out, "figure_a1")
