@@ -1,7 +1,8 @@
 """`lrmoe bench <target> [options]`: benchmarks that print a table and write JSON."""
 from __future__ import annotations
 
-TARGETS = {"layer": "lrmoe.bench.layer", "planners": "lrmoe.bench.planners", "simulator": "lrmoe.bench.simulator"}
+TARGETS = {"layer": "lrmoe.bench.layer", "planners": "lrmoe.bench.planners", "simulator": "lrmoe.bench.simulator",
+           "keep-scan": "lrmoe.bench.keep_scan"}
 
 
 def register_cli(sub) -> None:

@@ -121,6 +121,11 @@ def drifting_trace(routing: str, E: int, G: int, pairs_per_rank: int, steps: int
     return out
 
 
+def trace_seed(seed: int, model: str, ep: str, routing: str) -> int:
+    """The seed of a cell's drifting trace: one per (model, EP, routing), the same for every budget and policy."""
+    return seed * 1000 + 100 * list(MODELS).index(model) + 10 * list(EP_SIZES).index(ep) + ROUTINGS.index(routing)
+
+
 def quality(plan) -> dict:
     return {"cost": float(plan.cost_G(2.0).max(initial=0.0)), "peak": int(plan.memory.peak),
             "kept": int(plan.backward_quota_GN.sum()) * plan.num_splits, "replicas": int(plan.num_replicas_G.sum()),
@@ -354,10 +359,8 @@ def main(argv=None) -> dict:
             cluster = cluster_of(ep, dims.num_experts)
             key = (m, ep, rt)
             if key not in traces:
-                seed = (args.seed * 1000 + 100 * list(MODELS).index(m) + 10 * list(EP_SIZES).index(ep)
-                        + ROUTINGS.index(rt))
                 traces[key] = drifting_trace(rt, dims.num_experts, cluster.num_ranks, args.tokens * dims.top_k,
-                                             args.steps, seed)
+                                             args.steps, trace_seed(args.seed, m, ep, rt))
             name = f"{m}/{ep}/{b:g}GiB/{rt}/{pol}" + (f" (round {rnd + 1}/{args.rounds})" if args.rounds > 1 else "")
             print(f"{name} ...", end=" ", flush=True, file=sys.stderr)
             p = time_cell(pol, traces[key], cluster, dims, b * GIB, args.reference)

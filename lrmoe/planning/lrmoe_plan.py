@@ -457,6 +457,34 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
     return resolve_budget(build, demand_GE, budget_bytes, fallback, max_split, fits=fits)
 
 
+def kept_pairs_fit(demand_GE, cluster: Cluster, dims: ModelDims, budget_bytes, counts, *, drop_ratio: float = 0.0,
+                   quota_policy: str = "waterfill", quota_options: dict | None = None,
+                   replica_slots: int | None = None, backward_weight: float = 2.0, min_rows: int = 1) -> np.ndarray:
+    """Whether the plan of ``demand_GE`` keeping each of ``counts`` backward pairs fits the budget, as
+    :func:`plan_lrmoe`'s kept-pair search decides it in a probe (the quotas of that count, the
+    candidate at their cost-optimal threshold or at the largest one). A built-in quota policy only;
+    ``counts`` in [1, routed pairs]. For studying the search (``lrmoe bench keep-scan``): the fit is
+    not monotone in the count, so the bisection's answer is one of several boundaries."""
+    d_GE = np.ascontiguousarray(demand_GE, dtype=np.int64)
+    quota_options = dict(quota_options or {})
+    builtin = _builtin_quota(quota_policy, quota_options)
+    if builtin is None:
+        raise ValueError(f"kept_pairs_fit needs a built-in quota policy (waterfill, proportional) without other "
+                         f"options than min_keep, got {quota_policy!r} with {sorted(quota_options)}")
+    counts = np.ascontiguousarray(counts, dtype=np.int64).reshape(-1)
+    P = int(d_GE.sum())
+    if counts.size and (counts.min() < 1 or counts.max() > P):
+        raise ValueError(f"counts must be in [1, routed pairs = {P}], got {int(counts.min())}..{int(counts.max())}")
+    epr = owned_layout(cluster, dims, "lrmoe")
+    R = cluster.slots_per_rank - epr if replica_slots is None else int(replica_slots)
+    prob = _planner_problem(cluster, dims, budget_bytes, R, float(backward_weight), int(min_rows), 0.0)
+    keep = keep_fraction(drop_ratio)
+    fit, status = K.fits_counts(d_GE, prob, builtin[0], builtin[1], keep.numerator, keep.denominator,
+                                retained_total(P, drop_ratio), counts)
+    _raise_on_bad_quota(int(status.max(initial=K.QUOTA_OK)))
+    return fit
+
+
 def _raise_on_bad_quota(status) -> None:
     if status != K.QUOTA_OK:  # a bug in a compiled quota policy, never a user error
         raise ValueError("a compiled quota policy broke the quota contract (0 <= q <= d, sum == n_keep); "
