@@ -1341,19 +1341,15 @@ def keep_search(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep, bisect
     if not bisect:
         return lo_keep, thr, thr_fits, QUOTA_OK
     slack = slack_units(prob[13], d_E.sum())
-    # which candidate a probe tries first: the one that decided the last fitting probe (the answer is
-    # the same either way, search_fits; only its cost differs). The cost-optimal one to begin with: near
-    # the boundary it usually decides, the top one's memory pass leaving it a little over the budget;
-    # where the top one decides, trying it first skips the threshold's bisection (about 17 greedy passes)
-    top_first = False
     while hi_keep - lo_keep > slack:  # lo_keep fits, hi_keep does not
+        # the cost-optimal candidate first: near the boundary it decides more often than the top one, whose
+        # memory pass leaves it a little over the budget (the answer is the same either way: search_fits)
         mid = (lo_keep + hi_keep) // 2
-        fit, t, t_fits, bad = _fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, mid, top_first)
+        fit, t, t_fits, bad = _fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, mid, False)
         if bad != QUOTA_OK:
             return -1, -1, False, bad
         if fit:
             lo_keep, thr, thr_fits = mid, t, t_fits
-            top_first = not t_fits  # t_fits: the cost-optimal candidate fits; else the top one decided
         else:
             hi_keep = mid
     return lo_keep, thr, thr_fits, QUOTA_OK
