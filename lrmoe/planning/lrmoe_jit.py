@@ -562,7 +562,7 @@ def greedy_meets(tau, qs, prob, work):
     for e in range(d_E.size):
         left[e] = d_E[e]  # rows not moved yet
         head_E[e] = -1  # replicas of each expert (linked through next_R)
-    n, token = 0, 0
+    n, token = np.int64(0), np.int64(0)
     for i in range(G):
         r = order_G[i]
         if excess[r] > EPS:
@@ -1328,14 +1328,14 @@ def keep_search(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep, bisect
     work = workspace(prob)
     if hi_known < 0:  # hi_keep first, the cost-optimal candidate first (it usually fits)
         fit, thr, thr_fits, bad = _fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, hi_keep,
-                                             False)
+                                             np.bool_(False))
         if bad != QUOTA_OK or fit:
             return (hi_keep if fit else -1), thr, thr_fits, bad
     if lo_known == 1:
         thr, thr_fits = lo_thr, lo_thr_fits
     else:
         fit, thr, thr_fits, bad = _fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, lo_keep,
-                                             True)
+                                             np.bool_(True))
         if bad != QUOTA_OK or not fit:
             return -1, -1, False, bad
     if not bisect:
@@ -1345,7 +1345,7 @@ def keep_search(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep, bisect
         # the cost-optimal candidate first: near the boundary it decides more often than the top one, whose
         # memory pass leaves it a little over the budget (the answer is the same either way: search_fits)
         mid = (lo_keep + hi_keep) // 2
-        fit, t, t_fits, bad = _fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, mid, False)
+        fit, t, t_fits, bad = _fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, mid, np.bool_(False))
         if bad != QUOTA_OK:
             return -1, -1, False, bad
         if fit:
@@ -1366,7 +1366,7 @@ def _fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, n_kee
     bad = quota_status(d_E, q_E, min(n_keep, P))
     if bad != QUOTA_OK:
         return False, -1, False, bad
-    fit, thr, thr_fits = search_fits(search_setup(d_GE, q_E, prob), prob, work, top_first, -1)
+    fit, thr, thr_fits = search_fits(search_setup(d_GE, q_E, prob), prob, work, top_first, np.int64(-1))
     return fit, thr, thr_fits, QUOTA_OK
 
 
@@ -1379,7 +1379,7 @@ def fits_counts(d_GE, prob, policy, min_keep, num, den, hi_keep, counts):
     out = np.zeros(counts.size, dtype=np.bool_)
     status = np.zeros(counts.size, dtype=np.int64)
     for i in range(counts.size):
-        fit, _, _, bad = _fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, counts[i], False)
+        fit, _, _, bad = _fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, counts[i], np.bool_(False))
         out[i], status[i] = fit, bad
     return out, status
 
@@ -1444,7 +1444,7 @@ def plan_piece(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep, lo_know
     P = d_E.sum()
     hi_known = 0 if lo_known == 1 else -1
     if hi_known < 0 and not over_memory_floor(prob, G, P, min(hi_keep, P)):
-        q_E = quota(d_E, hi_keep, policy, min_keep, num, den, True)
+        q_E = quota(d_E, hi_keep, policy, min_keep, num, den, np.bool_(True))
         bad = quota_status(d_E, q_E, min(hi_keep, P))
         if bad != QUOTA_OK:
             return -1, q_E, bad, _empty_result(G, E)
@@ -1460,13 +1460,13 @@ def plan_piece(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep, lo_know
         # the bisection's threshold), so under pressure the kept pairs are the reference's
         thr_from_floor, thr = thr, threshold(qs, prob, work)
         if thr != thr_from_floor and candidate_fits(thr, qs, prob, work) == 1:
-            return hi_keep, q_E, QUOTA_OK, quota_result(d_GE, q_E, prob, thr, True)
+            return hi_keep, q_E, QUOTA_OK, quota_result(d_GE, q_E, prob, thr, np.bool_(True))
         if thr != qs[11] and candidate_fits(qs[11], qs, prob, work) == 1:
-            return hi_keep, q_E, QUOTA_OK, quota_result(d_GE, q_E, prob, thr, False)
+            return hi_keep, q_E, QUOTA_OK, quota_result(d_GE, q_E, prob, thr, np.bool_(False))
         hi_known = 0
     elif hi_known < 0:
         hi_known = 0  # over the memory floor: hi_keep's probe answers no (_fits_keep)
-    n_keep, thr, thr_fits, bad = keep_search(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep, True,
+    n_keep, thr, thr_fits, bad = keep_search(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep, np.bool_(True),
                                              hi_known, lo_known, lo_thr, lo_thr_fits)
     use = hi_keep if n_keep < 0 else n_keep
     q_E, bad2, result = piece_result(d_GE, prob, policy, min_keep, num, den, use, hi_keep,
@@ -1487,7 +1487,7 @@ def quota_search_fits(d_GE, q_E, prob, top_first):
     """``_QuotaSearch(d_GE, q_E).fits(top_first)`` for quotas from Python: (fits, threshold or -1,
     whether the candidate there is known to fit)."""
     qs = search_setup(d_GE, q_E, prob)
-    return search_fits(qs, prob, workspace(prob), top_first, -1)
+    return search_fits(qs, prob, workspace(prob), top_first, np.int64(-1))
 
 
 @njit

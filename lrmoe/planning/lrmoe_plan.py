@@ -374,7 +374,7 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
             P = int(d_GE.sum())
             hi_keep, lo_keep = retained_total(P, drop_ratio), retained_total(P, max_drop_ratio)
             if policy_args is not None:
-                n_keep, thr, thr_fits, bad = K.keep_search(d_GE, prob, *policy_args, hi_keep, lo_keep, True)
+                n_keep, thr, thr_fits, bad = K.keep_search(d_GE, prob, *policy_args, hi_keep, lo_keep, True, -1, -1, -1, False)
                 _raise_on_bad_quota(bad)
                 kept[key] = (None if n_keep < 0 else n_keep, thr, thr_fits)
             else:
@@ -445,7 +445,7 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
         if key not in feasible:
             P = int(d_GE.sum())
             hi_keep, lo_keep = retained_total(P, drop_ratio), retained_total(P, max_drop_ratio)
-            n_keep, thr, thr_fits, bad = K.keep_search(d_GE, prob, *policy_args, hi_keep, lo_keep, False)
+            n_keep, thr, thr_fits, bad = K.keep_search(d_GE, prob, *policy_args, hi_keep, lo_keep, False, -1, -1, -1, False)
             _raise_on_bad_quota(bad)
             if n_keep == hi_keep or n_keep < 0:  # the search's answer already: hi_keep fits, or none does
                 kept[key] = (None if n_keep < 0 else n_keep, thr, thr_fits)
