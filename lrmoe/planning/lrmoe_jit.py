@@ -1371,20 +1371,6 @@ def _fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, n_kee
 
 
 @njit
-def fits_counts(d_GE, prob, policy, min_keep, num, den, hi_keep, counts):
-    """Whether the plan keeping each of ``counts`` pairs fits: the kept-pair search's probe
-    (:func:`_fits_keep`) at every count, with a quota status per count (``lrmoe_plan.kept_pairs_fit``)."""
-    d_E = d_GE.sum(0)
-    work = workspace(prob)
-    out = np.zeros(counts.size, dtype=np.bool_)
-    status = np.zeros(counts.size, dtype=np.int64)
-    for i in range(counts.size):
-        fit, _, _, bad = _fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, counts[i], np.bool_(False))
-        out[i], status[i] = fit, bad
-    return out, status
-
-
-@njit
 def quota_result(d_GE, q_E, prob, thr, thr_fits):
     """The plan of quotas q_E (``_QuotaSearch.result``): (tau, threshold_cost, expert_N, rank_N, slot_N,
     send, quota, memory tuple, peak). ``thr``: the cost-optimal threshold when known, else -1;

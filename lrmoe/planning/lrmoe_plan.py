@@ -464,7 +464,8 @@ def kept_pairs_fit(demand_GE, cluster: Cluster, dims: ModelDims, budget_bytes, c
     :func:`plan_lrmoe`'s kept-pair search decides it in a probe (the quotas of that count, the
     candidate at their cost-optimal threshold or at the largest one). A built-in quota policy only;
     ``counts`` in [1, routed pairs]. For studying the search (``lrmoe bench keep-scan``): the fit is
-    not monotone in the count, so the bisection's answer is one of several boundaries."""
+    not monotone in the count, so the bisection's answer is one of several boundaries. It calls the
+    compiled probe from Python with the types the search passes (no extra compilation)."""
     d_GE = np.ascontiguousarray(demand_GE, dtype=np.int64)
     quota_options = dict(quota_options or {})
     builtin = _builtin_quota(quota_policy, quota_options)
@@ -479,9 +480,12 @@ def kept_pairs_fit(demand_GE, cluster: Cluster, dims: ModelDims, budget_bytes, c
     R = cluster.slots_per_rank - epr if replica_slots is None else int(replica_slots)
     prob = _planner_problem(cluster, dims, budget_bytes, R, float(backward_weight), int(min_rows), 0.0)
     keep = keep_fraction(drop_ratio)
-    fit, status = K.fits_counts(d_GE, prob, builtin[0], builtin[1], keep.numerator, keep.denominator,
-                                retained_total(P, drop_ratio), counts)
-    _raise_on_bad_quota(int(status.max(initial=K.QUOTA_OK)))
+    d_E, work, hi_keep = d_GE.sum(0), K.workspace(prob), retained_total(P, drop_ratio)
+    fit = np.zeros(counts.size, dtype=bool)
+    for i, n_keep in enumerate(counts.tolist()):  # the search's own compiled probe, as it calls it
+        fit[i], _, _, bad = K._fits_keep(d_GE, d_E, prob, work, builtin[0], builtin[1], keep.numerator,
+                                         keep.denominator, hi_keep, n_keep, False)
+        _raise_on_bad_quota(bad)
     return fit
 
 
