@@ -1327,14 +1327,14 @@ def keep_search(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep, bisect
     d_E = d_GE.sum(0)
     work = workspace(prob)
     if hi_known < 0:  # hi_keep first, the cost-optimal candidate first (it usually fits)
-        fit, thr, thr_fits, bad = _fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, hi_keep,
+        fit, thr, thr_fits, bad = fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, hi_keep,
                                              np.bool_(False))
         if bad != QUOTA_OK or fit:
             return (hi_keep if fit else -1), thr, thr_fits, bad
     if lo_known == 1:
         thr, thr_fits = lo_thr, lo_thr_fits
     else:
-        fit, thr, thr_fits, bad = _fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, lo_keep,
+        fit, thr, thr_fits, bad = fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, lo_keep,
                                              np.bool_(True))
         if bad != QUOTA_OK or not fit:
             return -1, -1, False, bad
@@ -1345,7 +1345,7 @@ def keep_search(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep, bisect
         # the cost-optimal candidate first: near the boundary it decides more often than the top one, whose
         # memory pass leaves it a little over the budget (the answer is the same either way: search_fits)
         mid = (lo_keep + hi_keep) // 2
-        fit, t, t_fits, bad = _fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, mid, np.bool_(False))
+        fit, t, t_fits, bad = fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, mid, np.bool_(False))
         if bad != QUOTA_OK:
             return -1, -1, False, bad
         if fit:
@@ -1356,9 +1356,10 @@ def keep_search(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep, bisect
 
 
 @njit
-def _fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, n_keep, top_first):
-    """Whether the plan keeping n_keep pairs fits (``plan_lrmoe``'s fits_keep): the floor test from the
-    pair counts first, then the quotas' search (:func:`search_fits`), plus the quota status."""
+def fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, n_keep, top_first):
+    """Whether the plan keeping n_keep pairs fits, the kept-pair search's probe (also
+    ``lrmoe_plan.kept_pairs_fit``'s): the floor test from the pair counts first, then the quotas'
+    search (:func:`search_fits`), plus the quota status."""
     P = d_E.sum()
     if over_memory_floor(prob, d_GE.shape[0], P, min(n_keep, P)):
         return False, -1, False, QUOTA_OK
@@ -1451,7 +1452,7 @@ def plan_piece(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep, lo_know
             return hi_keep, q_E, QUOTA_OK, quota_result(d_GE, q_E, prob, thr, np.bool_(False))
         hi_known = 0
     elif hi_known < 0:
-        hi_known = 0  # over the memory floor: hi_keep's probe answers no (_fits_keep)
+        hi_known = 0  # over the memory floor: hi_keep's probe answers no (fits_keep)
     n_keep, thr, thr_fits, bad = keep_search(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep, np.bool_(True),
                                              hi_known, lo_known, lo_thr, lo_thr_fits)
     use = hi_keep if n_keep < 0 else n_keep

@@ -483,7 +483,7 @@ def kept_pairs_fit(demand_GE, cluster: Cluster, dims: ModelDims, budget_bytes, c
     d_E, work, hi_keep = d_GE.sum(0), K.workspace(prob), retained_total(P, drop_ratio)
     fit = np.zeros(counts.size, dtype=bool)
     for i, n_keep in enumerate(counts.tolist()):  # the search's own compiled probe, as it calls it
-        fit[i], _, _, bad = K._fits_keep(d_GE, d_E, prob, work, builtin[0], builtin[1], keep.numerator,
+        fit[i], _, _, bad = K.fits_keep(d_GE, d_E, prob, work, builtin[0], builtin[1], keep.numerator,
                                          keep.denominator, hi_keep, n_keep, False)
         _raise_on_bad_quota(bad)
     return fit
