@@ -1328,14 +1328,14 @@ def keep_search(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep, bisect
     work = workspace(prob)
     if hi_known < 0:  # hi_keep first, the cost-optimal candidate first (it usually fits)
         fit, thr, thr_fits, bad = fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, hi_keep,
-                                             np.bool_(False))
+                                            np.bool_(False))
         if bad != QUOTA_OK or fit:
             return (hi_keep if fit else -1), thr, thr_fits, bad
     if lo_known == 1:
         thr, thr_fits = lo_thr, lo_thr_fits
     else:
         fit, thr, thr_fits, bad = fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, lo_keep,
-                                             np.bool_(True))
+                                            np.bool_(True))
         if bad != QUOTA_OK or not fit:
             return -1, -1, False, bad
     if not bisect:
@@ -1345,7 +1345,8 @@ def keep_search(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep, bisect
         # the cost-optimal candidate first: near the boundary it decides more often than the top one, whose
         # memory pass leaves it a little over the budget (the answer is the same either way: search_fits)
         mid = (lo_keep + hi_keep) // 2
-        fit, t, t_fits, bad = fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, mid, np.bool_(False))
+        fit, t, t_fits, bad = fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, mid,
+                                        np.bool_(False))
         if bad != QUOTA_OK:
             return -1, -1, False, bad
         if fit:

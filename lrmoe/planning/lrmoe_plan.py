@@ -138,6 +138,15 @@ def _layout(cluster: Cluster, dims: ModelDims, replica_slots: int) -> tuple:
 
 
 
+def _replica_slots(cluster: Cluster, dims: ModelDims, replica_slots) -> int:
+    """The replica slots per rank a planner call uses: ``replica_slots``, checked, or all (S - E/G) when None."""
+    R_max = cluster.slots_per_rank - owned_layout(cluster, dims, "lrmoe")
+    R = R_max if replica_slots is None else replica_slots
+    if isinstance(R, bool) or not isinstance(R, (int, np.integer)) or not 0 <= R <= R_max:
+        raise ValueError(f"replica_slots must be an integer in [0, S - E/G = {R_max}], got {R!r}")
+    return int(R)
+
+
 def _builtin_quota(policy: str, options: dict):
     """(policy code, min_keep) of a built-in quota policy the compiled searches compute themselves, or
     None (a user policy, or options they do not know: the quotas then come from Python)."""
@@ -340,11 +349,7 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
         raise ValueError(f"search_tolerance must be a number in [0, 0.1] (0: exact searches), got {search_tolerance!r}")
     if isinstance(min_rows, bool) or not isinstance(min_rows, (int, np.integer)) or min_rows < 1:
         raise ValueError(f"min_rows must be an integer >= 1, got {min_rows!r}")
-    epr = owned_layout(cluster, dims, "lrmoe")
-    R_max = cluster.slots_per_rank - epr
-    R = R_max if replica_slots is None else replica_slots
-    if isinstance(R, bool) or not isinstance(R, (int, np.integer)) or not 0 <= R <= R_max:
-        raise ValueError(f"replica_slots must be an integer in [0, S - E/G = {R_max}], got {R!r}")
+    R = _replica_slots(cluster, dims, replica_slots)
     quota_options = dict(quota_options or {})
     builtin = _builtin_quota(quota_policy, quota_options)
     if builtin is None:
@@ -374,7 +379,8 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
             P = int(d_GE.sum())
             hi_keep, lo_keep = retained_total(P, drop_ratio), retained_total(P, max_drop_ratio)
             if policy_args is not None:
-                n_keep, thr, thr_fits, bad = K.keep_search(d_GE, prob, *policy_args, hi_keep, lo_keep, True, -1, -1, -1, False)
+                n_keep, thr, thr_fits, bad = K.keep_search(d_GE, prob, *policy_args, hi_keep, lo_keep, True,
+                                                           -1, -1, -1, False)
                 _raise_on_bad_quota(bad)
                 kept[key] = (None if n_keep < 0 else n_keep, thr, thr_fits)
             else:
@@ -445,7 +451,8 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
         if key not in feasible:
             P = int(d_GE.sum())
             hi_keep, lo_keep = retained_total(P, drop_ratio), retained_total(P, max_drop_ratio)
-            n_keep, thr, thr_fits, bad = K.keep_search(d_GE, prob, *policy_args, hi_keep, lo_keep, False, -1, -1, -1, False)
+            n_keep, thr, thr_fits, bad = K.keep_search(d_GE, prob, *policy_args, hi_keep, lo_keep, False,
+                                                       -1, -1, -1, False)
             _raise_on_bad_quota(bad)
             if n_keep == hi_keep or n_keep < 0:  # the search's answer already: hi_keep fits, or none does
                 kept[key] = (None if n_keep < 0 else n_keep, thr, thr_fits)
@@ -476,8 +483,7 @@ def kept_pairs_fit(demand_GE, cluster: Cluster, dims: ModelDims, budget_bytes, c
     P = int(d_GE.sum())
     if counts.size and (counts.min() < 1 or counts.max() > P):
         raise ValueError(f"counts must be in [1, routed pairs = {P}], got {int(counts.min())}..{int(counts.max())}")
-    epr = owned_layout(cluster, dims, "lrmoe")
-    R = cluster.slots_per_rank - epr if replica_slots is None else int(replica_slots)
+    R = _replica_slots(cluster, dims, replica_slots)
     prob = _planner_problem(cluster, dims, budget_bytes, R, float(backward_weight), int(min_rows), 0.0)
     keep = keep_fraction(drop_ratio)
     d_E, work, hi_keep = d_GE.sum(0), K.workspace(prob), retained_total(P, drop_ratio)
