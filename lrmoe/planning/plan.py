@@ -1161,34 +1161,41 @@ def assemble(demand_GE, send_GN, quota_GN, same, expert_N, rank_N, slot_N, is_re
     E = num_experts
     empty = np.zeros(0, np.int64)
     err = check_instances(expert_N, rank_N, slot_N, is_replica_N, G, E)
-    dropped = np.zeros((G, E), np.int64)
     if err:
-        return dropped, empty, empty, empty, empty, empty, 0, err
+        return np.zeros((G, E), np.int64), empty, empty, empty, empty, empty, 0, err
+    dropped = np.empty((G, E), np.int64)  # every entry written below
     sent_G = np.zeros(G, np.int64)
     recv_N = np.zeros(N, np.int64)
     pairs_G = np.zeros(G, np.int64)
+    # columns [0, K) are experts 0..K-1 in order (every planner's owners but SYMI's): their drops are
+    # a plain difference; the other columns are added into their expert's drops one by one
+    K = 0
+    while K < N and K < E and expert_N[K] == K:
+        K += 1
+    low = 0  # the smallest send or dropped count (negative: error 3)
     for g in range(G):
+        row, dem, drop = send_GN[g], demand_GE[g], dropped[g]
         acc = 0
         for n in range(N):
-            v = send_GN[g, n]
-            if v != 0:
-                if v < 0:
-                    err = 3
-                acc += v
-                recv_N[n] += v
-                dropped[g, expert_N[n]] -= v
+            v = row[n]
+            acc += v
+            recv_N[n] += v
+            low = min(low, v)
         sent_G[g] = acc
         p = 0
         for e in range(E):
-            d = demand_GE[g, e]
-            p += d
-            v = dropped[g, e] + d
-            if v < 0:
-                err = 3
-            dropped[g, e] = v
+            p += dem[e]
         pairs_G[g] = p
-    if err:
-        return dropped, empty, empty, empty, empty, empty, 0, err
+        for e in range(K):
+            drop[e] = dem[e] - row[e]
+        for e in range(K, E):
+            drop[e] = dem[e]
+        for n in range(K, N):
+            drop[expert_N[n]] -= row[n]
+        for e in range(E):
+            low = min(low, drop[e])
+    if low < 0:
+        return dropped, empty, empty, empty, empty, empty, 0, 3
     kept_G, kept_N = sent_G, recv_N
     if not same:
         kept_G = np.zeros(G, np.int64)
