@@ -1163,15 +1163,17 @@ def assemble(demand_GE, send_GN, quota_GN, same, expert_N, rank_N, slot_N, is_re
     err = check_instances(expert_N, rank_N, slot_N, is_replica_N, G, E)
     if err:
         return np.zeros((G, E), np.int64), empty, empty, empty, empty, empty, 0, err
-    dropped = np.empty((G, E), np.int64)  # every entry written below
+    dropped = np.zeros((G, E), np.int64)
     sent_G = np.zeros(G, np.int64)
     recv_N = np.zeros(N, np.int64)
     pairs_G = np.zeros(G, np.int64)
     # columns [0, K) are experts 0..K-1 in order (every planner's owners but SYMI's): their drops are
-    # a plain difference; the other columns are added into their expert's drops one by one
+    # a plain difference; the other columns' nonzero sends are taken off their expert's drops first.
+    # The loops from K run over slices (a loop from a variable start compiles to slower code here)
     K = 0
     while K < N and K < E and expert_N[K] == K:
         K += 1
+    ex = expert_N[K:]
     low = 0  # the smallest send or dropped count (negative: error 3)
     for g in range(G):
         row, dem, drop = send_GN[g], demand_GE[g], dropped[g]
@@ -1182,16 +1184,20 @@ def assemble(demand_GE, send_GN, quota_GN, same, expert_N, rank_N, slot_N, is_re
             recv_N[n] += v
             low = min(low, v)
         sent_G[g] = acc
+        tail = row[K:]
+        for j in range(N - K):
+            v = tail[j]
+            if v != 0:
+                drop[ex[j]] -= v
         p = 0
         for e in range(E):
             p += dem[e]
         pairs_G[g] = p
         for e in range(K):
-            drop[e] = dem[e] - row[e]
-        for e in range(K, E):
-            drop[e] = dem[e]
-        for n in range(K, N):
-            drop[expert_N[n]] -= row[n]
+            drop[e] += dem[e] - row[e]
+        drop_t, dem_t = drop[K:], dem[K:]
+        for j in range(E - K):
+            drop_t[j] += dem_t[j]
         for e in range(E):
             low = min(low, drop[e])
     if low < 0:
