@@ -1323,7 +1323,15 @@ def keep_search(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep, bisect
 
     Probes already run for this piece are not run again: ``hi_known == 0`` says hi_keep does not
     fit; ``lo_known == 1`` that lo_keep fits, with threshold ``lo_thr`` and ``lo_thr_fits`` (what
-    its probe returned); -1: not known."""
+    its probe returned); -1: not known.
+
+    A probe fits when the candidate at its quotas' cost-optimal threshold or at the largest one
+    (``top``) fits, whichever it tries first (:func:`search_fits`): the answer is the same, the cost
+    is not. The top candidate needs no threshold search (a third of a probe at EP8), so a probe
+    tries it first when one of the last two probes that tried it found it fitting (near the budget
+    the verdicts flip from probe to probe; docs/benchmarks.md measures the choice). The plan is the
+    same either way: a fitting count whose threshold was not searched gets it searched once, by
+    :func:`quota_result`."""
     d_E = d_GE.sum(0)
     work = workspace(prob)
     if hi_known < 0:  # hi_keep first, the cost-optimal candidate first (it usually fits)
@@ -1341,19 +1349,38 @@ def keep_search(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep, bisect
     if not bisect:
         return lo_keep, thr, thr_fits, QUOTA_OK
     slack = slack_units(prob[13], d_E.sum())
+    # the last two verdicts on a probe's top candidate (lo_keep's probe tried it first: it fit when no
+    # threshold was searched); a probe tries the top first when either fit
+    last, before = thr < 0, False
     while hi_keep - lo_keep > slack:  # lo_keep fits, hi_keep does not
-        # the cost-optimal candidate first: near the boundary it decides more often than the top one, whose
-        # memory pass leaves it a little over the budget (the answer is the same either way: search_fits)
         mid = (lo_keep + hi_keep) // 2
+        top_first = last or before
         fit, t, t_fits, bad = fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, mid,
-                                        np.bool_(False))
+                                        np.bool_(top_first))
         if bad != QUOTA_OK:
             return -1, -1, False, bad
+        verdict = _top_verdict(top_first, fit, t, t_fits)
+        if verdict >= 0:
+            last, before = verdict == 1, last
         if fit:
             lo_keep, thr, thr_fits = mid, t, t_fits
         else:
             hi_keep = mid
     return lo_keep, thr, thr_fits, QUOTA_OK
+
+
+@njit
+def _top_verdict(top_first, fit, thr, thr_fits):
+    """What a kept-pair probe (tried ``top_first``, :func:`fits_keep` answered ``fit, thr, thr_fits``)
+    says of its top candidate: 1 fits, 0 does not, -1 not tried. No threshold searched (thr < 0):
+    the top was tried first and fit, or the memory floor refused the count. Tried first and a
+    threshold searched: the top did not fit. The cost-optimal candidate tried first: it fit and the
+    top was not tried (``thr_fits``), or the answer is the top's."""
+    if thr < 0:
+        return 1 if fit else -1
+    if top_first:
+        return 0
+    return -1 if thr_fits else (1 if fit else 0)
 
 
 @njit
