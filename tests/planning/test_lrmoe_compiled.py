@@ -412,6 +412,57 @@ def test_threshold_search_from_the_domain_floor(kind):
     assert compared >= 10
 
 
+@pytest.mark.parametrize("kind", ("random", "hot_expert", "empty_experts"))
+def test_kept_pair_probes_in_either_order(kind):
+    """A kept-pair probe answers the same whichever candidate it tries first (cost-optimal or top),
+    what keep_search infers of the top candidate from the answer (_top_verdict) is what the top
+    candidate does, and keep_search (which picks the order from those verdicts) returns the count
+    of the plain bisection whose every probe tries the cost-optimal candidate first."""
+    rng = np.random.default_rng(list(KINDS).index(kind) + 940)
+    keep = keep_fraction(0.2)
+    verdicts, searches = {0: 0, 1: 0}, 0
+    for i in range(12):
+        cl, dims, d = case(rng, kind)
+        G, E = d.shape
+        P = int(d.sum())
+        if P < 20:
+            continue
+        R = cl.slots_per_rank - E // G
+        peak = plan_placement("lrmoe", d, cl, dims, math.inf, drop_ratio=0.2).memory.peak
+        budget = float(rng.uniform(0.5, 0.97)) * peak
+        prob = L._planner_problem(cl, dims, budget, R, 2.0, 1, 0.0)
+        d_E, work = d.sum(0), K.workspace(prob)
+        hi, lo = retained_total(P, 0.2), retained_total(P, 0.9)
+        args = (d, d_E, prob, work, K.WATERFILL, 0, keep.numerator, keep.denominator, hi)
+
+        def probe(n, top_first):
+            return K.fits_keep(*args, n, np.bool_(top_first))
+
+        for n in {lo, hi, int(rng.integers(lo, hi + 1)), int(rng.integers(lo, hi + 1))}:
+            q = K.quota(d_E, n, K.WATERFILL, 0, keep.numerator, keep.denominator, n == hi)
+            qs = K.search_setup(d, q, prob)
+            top_fits = K.candidate_fits(qs[11], qs, prob, work) == 1
+            for top_first in (False, True):
+                fit, thr, thr_fits, _ = probe(n, top_first)
+                assert fit == probe(n, not top_first)[0], (kind, i, n)
+                v = K._top_verdict(top_first, fit, thr, thr_fits)
+                if v >= 0 and not K.over_memory_floor(prob, G, P, n):
+                    assert v == int(top_fits), (kind, i, n, top_first)
+                    verdicts[v] += 1
+        plain_hi, plain_lo = hi, lo  # the plain bisection, cost-optimal candidate first at every probe
+        if not probe(hi, False)[0] and probe(lo, True)[0]:
+            while plain_hi - plain_lo > 1:
+                mid = (plain_lo + plain_hi) // 2
+                plain_lo, plain_hi = (mid, plain_hi) if probe(mid, False)[0] else (plain_lo, mid)
+            searches += 1
+            expect = plain_lo
+        else:
+            expect = hi if probe(hi, False)[0] else -1
+        got = K.keep_search(d, prob, K.WATERFILL, 0, keep.numerator, keep.denominator, hi, lo, np.bool_(True))[0]
+        assert got == expect, (kind, i, got, expect)
+    assert searches >= 3 and verdicts[0] >= 3 and verdicts[1] >= 3, (searches, verdicts)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_peak_bounds_bracket_the_candidate_peak(kind):
     """candidate_fits decides from bounds on every rank's memory where they decide, and from the
