@@ -283,11 +283,16 @@ def largest_remainder_col(total, w, out, rem, buf):
 @njit
 def waterfill(d, n_keep):
     """:func:`lrmoe.planning.quota.waterfill_quota` without a floor (int64 in and out)."""
+    return waterfill_sorted(d, np.sort(d), n_keep)
+
+
+@njit
+def waterfill_sorted(d, s, n_keep):
+    """:func:`waterfill` with ``s = np.sort(d)`` given (a kept-pair search sorts its piece once)."""
     E = d.size
     if E == 0:
         return np.zeros(0, dtype=np.int64)
     # the largest breakpoint b in {0} U {d_e} with f(b) = sum_e min(d_e, b) <= n_keep (f non-decreasing)
-    s = np.sort(d)
     b = 0
     prefix = 0
     for k in range(E):
@@ -366,6 +371,16 @@ def quota(d_E, n_keep, policy, min_keep, num, den, exact):
 
 
 @njit
+def quota_of(piece, n_keep, policy, min_keep, num, den, exact):
+    """:func:`quota` of a piece's demand (:func:`piece_sums`): waterfill without a floor reads its
+    sorted copy."""
+    d_E = piece[0]
+    if policy == WATERFILL and min_keep <= 0 and n_keep < d_E.sum():
+        return waterfill_sorted(d_E, piece[3], n_keep)
+    return quota(d_E, n_keep, policy, min_keep, num, den, exact)
+
+
+@njit
 def quota_status(d_E, q_E, n_keep):
     """The quota contract (0 <= q <= d, sum == n_keep): QUOTA_OK or QUOTA_BAD."""
     s = 0
@@ -406,16 +421,36 @@ def slack_units(tolerance, scale):
 
 # ----------------------------------------------------------------------------- one quota vector's search
 @njit
+def piece_sums(d_GE):
+    """What every probe of one demand piece reads of it, as ``piece``: (d_E, d_EG (the demand
+    transposed), pairs_G (every rank's routed pairs), d_E sorted (waterfill's breakpoints))."""
+    G, E = d_GE.shape
+    d_E = np.zeros(E, dtype=np.int64)
+    pairs_G = np.zeros(G, dtype=np.int64)
+    for r in range(G):
+        sent = 0
+        for e in range(E):
+            d_E[e] += d_GE[r, e]
+            sent += d_GE[r, e]
+        pairs_G[r] = sent
+    return d_E, np.ascontiguousarray(d_GE.T), pairs_G, np.sort(d_E)
+
+
+@njit
 def search_setup(d_GE, q_E, prob):
     """What every threshold of q_E's search reads (``lrmoe_plan._QuotaSearch.__init__``), as ``qs``:
     (d_GE, q_E, d_E, w_E, rb_E, cost_G, mem_G, order_G, mine_ptr, mine_idx, lo, top, over_floor, slack, L_E,
     d_EG (the demand transposed), pairs_G)."""
+    return search_setup_of(d_GE, piece_sums(d_GE), q_E, prob)
+
+
+@njit
+def search_setup_of(d_GE, piece, q_E, prob):
+    """:func:`search_setup` with the piece's sums already made (:func:`piece_sums`; the kept-pair
+    search makes them once for all its probes)."""
     owner_E, bw = prob[0], prob[11]
     G, E = d_GE.shape
-    d_E = np.zeros(E, dtype=np.int64)
-    for r in range(G):
-        for e in range(E):
-            d_E[e] += d_GE[r, e]
+    d_E, d_EG, pairs_G = piece[0], piece[1], piece[2]
     frac = np.zeros(E)
     w_E = np.zeros(E)
     L_E = np.empty(E)
@@ -435,14 +470,9 @@ def search_setup(d_GE, q_E, prob):
         owned_w[o] += d_E[e] * rb_E[e]
         n_owned[o] += 1
     mem_G = np.empty(G)
-    d_EG = np.ascontiguousarray(d_GE.T)
     kept_sent = exact_row_sums(d_EG, frac)  # exactly rounded (math.fsum): every rank computes the same plan
-    pairs_G = np.zeros(G, dtype=np.int64)
     for r in range(G):
-        sent = 0
-        for e in range(E):
-            sent += d_GE[r, e]
-        pairs_G[r] = sent
+        sent = pairs_G[r]
         mem_G[r] = (float(n_owned[r] * prob[5]) + float(prob[6]) * (sent + kept_sent[r]) + float(prob[8] * sent)
                     + owned_w[r])
     order_G = _desc_order(cost_G)
@@ -1287,6 +1317,8 @@ def search_tau(qs, prob, work, thr, thr_fits):
     one, or when that one is over the budget, the smallest higher one that fits, if any).
     ``thr_fits``: the candidate at the cost-optimal threshold ``thr`` is known to fit."""
     hi, top, slack = thr, qs[11], qs[13]
+    if qs[12]:  # over the memory floor: no candidate fits (the reference tries two, which answer no)
+        return hi
     if thr_fits or not prob[10] < math.inf or candidate_fits(hi, qs, prob, work) == 1:
         return hi
     if hi == top or candidate_fits(top, qs, prob, work) != 1:
@@ -1332,30 +1364,30 @@ def keep_search(d_GE, prob, policy, min_keep, num, den, hi_keep, lo_keep, bisect
     the verdicts flip from probe to probe; docs/benchmarks.md measures the choice). The plan is the
     same either way: a fitting count whose threshold was not searched gets it searched once, by
     :func:`quota_result`."""
-    d_E = d_GE.sum(0)
+    piece = piece_sums(d_GE)
     work = workspace(prob)
     if hi_known < 0:  # hi_keep first, the cost-optimal candidate first (it usually fits)
-        fit, thr, thr_fits, bad = fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, hi_keep,
+        fit, thr, thr_fits, bad = fits_keep(d_GE, piece, prob, work, policy, min_keep, num, den, hi_keep, hi_keep,
                                             np.bool_(False))
         if bad != QUOTA_OK or fit:
             return (hi_keep if fit else -1), thr, thr_fits, bad
     if lo_known == 1:
         thr, thr_fits = lo_thr, lo_thr_fits
     else:
-        fit, thr, thr_fits, bad = fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, lo_keep,
+        fit, thr, thr_fits, bad = fits_keep(d_GE, piece, prob, work, policy, min_keep, num, den, hi_keep, lo_keep,
                                             np.bool_(True))
         if bad != QUOTA_OK or not fit:
             return -1, -1, False, bad
     if not bisect:
         return lo_keep, thr, thr_fits, QUOTA_OK
-    slack = slack_units(prob[13], d_E.sum())
+    slack = slack_units(prob[13], piece[0].sum())
     # the last two verdicts on a probe's top candidate (lo_keep's probe tried it first: it fit when no
     # threshold was searched); a probe tries the top first when either fit
     last, before = thr < 0, False
     while hi_keep - lo_keep > slack:  # lo_keep fits, hi_keep does not
         mid = (lo_keep + hi_keep) // 2
         top_first = last or before
-        fit, t, t_fits, bad = fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, mid,
+        fit, t, t_fits, bad = fits_keep(d_GE, piece, prob, work, policy, min_keep, num, den, hi_keep, mid,
                                         np.bool_(top_first))
         if bad != QUOTA_OK:
             return -1, -1, False, bad
@@ -1384,18 +1416,19 @@ def _top_verdict(top_first, fit, thr, thr_fits):
 
 
 @njit
-def fits_keep(d_GE, d_E, prob, work, policy, min_keep, num, den, hi_keep, n_keep, top_first):
+def fits_keep(d_GE, piece, prob, work, policy, min_keep, num, den, hi_keep, n_keep, top_first):
     """Whether the plan keeping n_keep pairs fits, the kept-pair search's probe (also
     ``lrmoe_plan.kept_pairs_fit``'s): the floor test from the pair counts first, then the quotas'
-    search (:func:`search_fits`), plus the quota status."""
+    search (:func:`search_fits`), plus the quota status. ``piece``: :func:`piece_sums` of d_GE."""
+    d_E = piece[0]
     P = d_E.sum()
     if over_memory_floor(prob, d_GE.shape[0], P, min(n_keep, P)):
         return False, -1, False, QUOTA_OK
-    q_E = quota(d_E, n_keep, policy, min_keep, num, den, n_keep == hi_keep)
+    q_E = quota_of(piece, n_keep, policy, min_keep, num, den, n_keep == hi_keep)
     bad = quota_status(d_E, q_E, min(n_keep, P))
     if bad != QUOTA_OK:
         return False, -1, False, bad
-    fit, thr, thr_fits = search_fits(search_setup(d_GE, q_E, prob), prob, work, top_first, np.int64(-1))
+    fit, thr, thr_fits = search_fits(search_setup_of(d_GE, piece, q_E, prob), prob, work, top_first, np.int64(-1))
     return fit, thr, thr_fits, QUOTA_OK
 
 

@@ -486,10 +486,10 @@ def kept_pairs_fit(demand_GE, cluster: Cluster, dims: ModelDims, budget_bytes, c
     R = _replica_slots(cluster, dims, replica_slots)
     prob = _planner_problem(cluster, dims, budget_bytes, R, float(backward_weight), int(min_rows), 0.0)
     keep = keep_fraction(drop_ratio)
-    d_E, work, hi_keep = d_GE.sum(0), K.workspace(prob), retained_total(P, drop_ratio)
+    piece, work, hi_keep = K.piece_sums(d_GE), K.workspace(prob), retained_total(P, drop_ratio)
     fit = np.zeros(counts.size, dtype=bool)
     for i, n_keep in enumerate(counts.tolist()):  # the search's own compiled probe, as it calls it
-        fit[i], _, _, bad = K.fits_keep(d_GE, d_E, prob, work, builtin[0], builtin[1], keep.numerator,
+        fit[i], _, _, bad = K.fits_keep(d_GE, piece, prob, work, builtin[0], builtin[1], keep.numerator,
                                          keep.denominator, hi_keep, n_keep, False)
         _raise_on_bad_quota(bad)
     return fit

@@ -90,15 +90,23 @@ def test_compiled_quotas_equal_the_numpy_policies(rho):
     keep = keep_fraction(rho)
     for d in demands(rng, 120):
         P = int(d.sum())
+        # the same demand as a piece of two ranks (the kept-pair search's quotas read its sorted copy)
+        half = rng.integers(0, d + 1)
+        piece = K.piece_sums(np.ascontiguousarray(np.stack([half, d - half]), dtype=np.int64))
+        np.testing.assert_array_equal(piece[0], d)
         for n_keep in {retained_total(P, rho), int(rng.integers(0, P + 1)), 0, P}:
             exact = n_keep == retained_total(P, rho)
             for min_keep in (0, 1, 7):
                 want = waterfill_quota(d, n_keep, min_keep=min_keep) if n_keep < P else d
                 got = K.quota(d, n_keep, K.WATERFILL, min_keep, keep.numerator, keep.denominator, exact)
                 np.testing.assert_array_equal(got, want)
+                got = K.quota_of(piece, n_keep, K.WATERFILL, min_keep, keep.numerator, keep.denominator, exact)
+                np.testing.assert_array_equal(got, want)
             want = (proportional_quota(d, n_keep, drop_ratio=rho if exact else None) if n_keep < P else d)
             got = K.quota(d, n_keep, K.PROPORTIONAL, 0, keep.numerator, keep.denominator, exact)
             np.testing.assert_array_equal(got, want)
+            np.testing.assert_array_equal(
+                K.quota_of(piece, n_keep, K.PROPORTIONAL, 0, keep.numerator, keep.denominator, exact), want)
             assert K.quota_status(d, got, n_keep) == K.QUOTA_OK
 
 
@@ -431,9 +439,10 @@ def test_kept_pair_probes_in_either_order(kind):
         peak = plan_placement("lrmoe", d, cl, dims, math.inf, drop_ratio=0.2).memory.peak
         budget = float(rng.uniform(0.5, 0.97)) * peak
         prob = L._planner_problem(cl, dims, budget, R, 2.0, 1, 0.0)
-        d_E, work = d.sum(0), K.workspace(prob)
+        piece, work = K.piece_sums(d), K.workspace(prob)
+        d_E = piece[0]
         hi, lo = retained_total(P, 0.2), retained_total(P, 0.9)
-        args = (d, d_E, prob, work, K.WATERFILL, 0, keep.numerator, keep.denominator, hi)
+        args = (d, piece, prob, work, K.WATERFILL, 0, keep.numerator, keep.denominator, hi)
 
         def probe(n, top_first):
             return K.fits_keep(*args, n, np.bool_(top_first))
