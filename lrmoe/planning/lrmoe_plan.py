@@ -64,7 +64,7 @@ import numpy as np
 
 from . import lrmoe_jit as K
 from .memory import MemoryBreakdown, instance_bytes, token_row_bytes, total_memory_floor
-from .plan import Cluster, Instances, ModelDims, Plan, domain_receivers, owned_layout, resolve_budget
+from .plan import Cluster, Instances, ModelDims, PieceKey, Plan, domain_receivers, owned_layout, resolve_budget
 from .quota import (check_drop_ratio, check_min_keep, compute_quota, get_quota_policy, keep_fraction,
                     proportional_quota, quota_for, retained_total, waterfill_quota)
 
@@ -369,12 +369,12 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
         return _quota(d_GE.sum(0), n_keep, quota_policy, quota_options, drop_ratio)
 
     # demand piece -> (its shrunk keep or None, that quota's threshold or -1, whether the candidate there fits)
-    kept: dict[bytes, tuple] = {}
+    kept: dict[PieceKey, tuple] = {}
 
     def shrunk_keep(d_GE):
         """How many pairs the plan of d_GE keeps: the requested n_keep when it fits; else the
         largest n_keep >= the max_drop_ratio one that fits (bisection), None when none fits."""
-        key = d_GE.tobytes()
+        key = PieceKey(d_GE)
         if key not in kept:
             P = int(d_GE.sum())
             hi_keep, lo_keep = retained_total(P, drop_ratio), retained_total(P, max_drop_ratio)
@@ -412,7 +412,7 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
     def build(d_GE, row_cap):
         P = int(d_GE.sum())
         hi_keep = retained_total(P, drop_ratio)
-        key = d_GE.tobytes()
+        key = PieceKey(d_GE)
         if policy_args is not None and key not in kept:  # the search and the plan in one compiled call
             # a split probe's answer for this piece (hi_keep over, lo_keep fits): not probed again
             lo_known, lo_thr, lo_thr_fits = probed.get(key, (-1, -1, False))
@@ -437,13 +437,13 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
         return plan if n_keep in (None, hi_keep) else dataclasses.replace(plan, over_budget=True,
                                                                           fallback="shrink_quota")
 
-    feasible: dict[bytes, bool] = {}  # demand piece -> some kept-pair count fits (keep_search, bisect=False)
-    probed: dict[bytes, tuple] = {}  # piece -> (1, lo_keep's threshold, thr_fits): hi_keep over, lo_keep fits
+    feasible: dict[PieceKey, bool] = {}  # demand piece -> some kept-pair count fits (keep_search, bisect=False)
+    probed: dict[PieceKey, tuple] = {}  # piece -> (1, lo_keep's threshold, thr_fits): hi_keep over, lo_keep fits
 
     def fits(d_GE, row_cap):
         """Whether some kept-pair count fits d_GE: the microbatch-split search's probe. Only the piece
         it returns is planned, so its kept-pair bisection runs there (in build), not in every probe."""
-        key = d_GE.tobytes()
+        key = PieceKey(d_GE)
         if key in kept:
             return kept[key][0] is not None
         if policy_args is None:

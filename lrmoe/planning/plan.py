@@ -1292,6 +1292,36 @@ def split_piece(demand_GE: np.ndarray, n: int) -> np.ndarray:
     return -(-demand_GE // n)
 
 
+@njit
+def fingerprint_kernel(a):
+    """A 64-bit fingerprint of an int64 array's values (a weighted sum with odd pseudo-random
+    weights, wrapping): equal arrays give equal fingerprints, different ones almost never do."""
+    h = np.uint64(a.size)
+    w = np.uint64(0x9E3779B97F4A7C15)
+    for i in range(a.size):
+        h += np.uint64(a[i]) * ((np.uint64(i) * w) | np.uint64(1))
+    return h
+
+
+class PieceKey:
+    """A demand piece as a dict key (the fallback searches remember what they learnt per piece): hashed
+    by :func:`fingerprint_kernel`, equal when the arrays are equal. ``hash(a.tobytes())`` cost 16 us
+    on a [64, 128] demand, as much as a tenth of a plan."""
+
+    __slots__ = ("array", "hash")
+
+    def __init__(self, array: np.ndarray):
+        self.array = np.ascontiguousarray(array, dtype=np.int64)
+        self.hash = int(fingerprint_kernel(self.array.reshape(-1)))
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, PieceKey) and self.hash == other.hash and self.array.shape == other.array.shape
+                and bool(np.array_equal(self.array, other.array)))
+
+
 def replace_plan(plan: Plan, **changes) -> Plan:
     """``dataclasses.replace`` for a :class:`Plan` without its per-call introspection (the fields
     are copied as they are; Plan has no ``__post_init__``)."""
@@ -1329,7 +1359,7 @@ def resolve_budget(build: Callable[[np.ndarray, int | None], Plan], demand_GE: n
     built: dict[tuple, Plan] = {}  # every probe's plan when fits is not given (the answer is one of them)
 
     def plan_of(d_GE, row_cap) -> Plan:
-        key = (d_GE.tobytes(), row_cap)
+        key = (PieceKey(d_GE), row_cap)
         if key not in built:
             built[key] = build(d_GE, row_cap)
         return built[key]
