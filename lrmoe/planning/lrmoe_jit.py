@@ -1580,9 +1580,19 @@ def check_plan(d_GE, expert_N, rank_N, slot_N, send, quota):
         return 4, dropped, is_rep_N, 0, 0
     if low_quota < 0 or low_gap < 0:
         return 5, dropped, is_rep_N, 0, 0
+    K = 0  # columns [0, K) are experts 0..K-1 in order (the owners): a plain difference, the rest by expert
+    while K < N and K < E and expert_N[K] == K:
+        K += 1
+    ex = expert_N[K:]
     for s in range(G):
-        for c in range(N):
-            dropped[s, expert_N[c]] -= send[s, c]
+        row, drop = send[s], dropped[s]
+        for c in range(K):
+            drop[c] -= row[c]
+        tail = row[K:]  # loops over slices from 0 (a loop from a variable start compiles to slower code)
+        for j in range(N - K):
+            v = tail[j]
+            if v != 0:
+                drop[ex[j]] -= v
     low, pairs = 0, 0
     for s in range(G):
         for e in range(E):
