@@ -64,7 +64,8 @@ import numpy as np
 
 from . import lrmoe_jit as K
 from .memory import MemoryBreakdown, instance_bytes, token_row_bytes, total_memory_floor
-from .plan import Cluster, Instances, ModelDims, PieceKey, Plan, domain_receivers, owned_layout, resolve_budget
+from .plan import (Cluster, Instances, ModelDims, PieceKey, Plan, domain_receivers, new_plan, owned_layout,
+                   replace_plan, resolve_budget)
 from .quota import (check_drop_ratio, check_min_keep, compute_quota, get_quota_policy, keep_fraction,
                     proportional_quota, quota_for, retained_total, waterfill_quota)
 
@@ -263,8 +264,8 @@ class _Result:
                 "n_keep": n_keep, "backward_weight": backward_weight,
                 "drop_ratio_effective": 1.0 - n_keep / max(pairs, 1)}
         memory = MemoryBreakdown.of(*self.memory, self.peak)
-        return Plan("lrmoe", self.d_GE, instances, self.send, self.quota, dropped, memory, budget,
-                    over_budget=self.peak > budget, info=info)
+        return new_plan("lrmoe", self.d_GE, instances, self.send, self.quota, dropped, memory, budget,
+                        over_budget=self.peak > budget, info=info)
 
 
 def _result(d_GE, q_E, raw, args) -> _Result:
@@ -434,8 +435,7 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
                 q_E = quotas(d_GE, use)
                 raw = K.quota_result(d_GE, q_E, prob, thr, thr_fits)
         plan = _result(d_GE, q_E, raw, result_args).plan()
-        return plan if n_keep in (None, hi_keep) else dataclasses.replace(plan, over_budget=True,
-                                                                          fallback="shrink_quota")
+        return plan if n_keep in (None, hi_keep) else replace_plan(plan, over_budget=True, fallback="shrink_quota")
 
     feasible: dict[PieceKey, bool] = {}  # demand piece -> some kept-pair count fits (keep_search, bisect=False)
     probed: dict[PieceKey, tuple] = {}  # piece -> (1, lo_keep's threshold, thr_fits): hi_keep over, lo_keep fits

@@ -75,9 +75,12 @@ class MemoryBreakdown:
 
     @classmethod
     def of(cls, base_G, replicas_G, dispatch_G, saved_G, backward_G, peak: int) -> "MemoryBreakdown":
-        """A breakdown whose ``peak`` was computed with it (by a compiled kernel): no numpy call on reading it."""
-        out = cls(base_G, replicas_G, dispatch_G, saved_G, backward_G)
-        out.__dict__["peak"] = int(peak)  # cached_property's slot; the dataclass is frozen, its __dict__ is not
+        """A breakdown whose ``peak`` was computed with it (by a compiled kernel): no numpy call on reading it.
+        Its fields set directly (a frozen dataclass's ``__init__`` costs a setattr call per field; this
+        one has no ``__post_init__``), ``peak`` in cached_property's slot."""
+        out = object.__new__(cls)
+        out.__dict__.update(base_G=base_G, replicas_G=replicas_G, dispatch_G=dispatch_G, saved_G=saved_G,
+                            backward_G=backward_G, peak=int(peak))
         return out
 
     def summary(self) -> dict[str, int]:
