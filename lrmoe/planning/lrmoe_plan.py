@@ -461,7 +461,11 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
             feasible[key] = n_keep >= 0
         return feasible[key]
 
-    return resolve_budget(build, demand_GE, budget_bytes, fallback, max_split, fits=fits)
+    # no kept-pair count of the whole demand fits when even max_drop_ratio's is over the memory floor:
+    # its plan (hi_keep's, over the budget) is then built only if the microbatch split fails too
+    P = int(demand_GE.sum())
+    unfit = _over_memory_floor(dims, cluster.num_ranks, P, min(retained_total(P, max_drop_ratio), P), budget_bytes)
+    return resolve_budget(build, demand_GE, budget_bytes, fallback, max_split, fits=fits, unfit=unfit)
 
 
 def kept_pairs_fit(demand_GE, cluster: Cluster, dims: ModelDims, budget_bytes, counts, *, drop_ratio: float = 0.0,

@@ -1349,7 +1349,7 @@ FALLBACKS = ("split", "drop", "oom")
 
 def resolve_budget(build: Callable[[np.ndarray, int | None], Plan], demand_GE: np.ndarray, budget_bytes: float,
                    fallback: str = "split", max_split: int = 256,
-                   fits: Callable[[np.ndarray, int | None], bool] | None = None) -> Plan:
+                   fits: Callable[[np.ndarray, int | None], bool] | None = None, unfit: bool = False) -> Plan:
     """Apply a policy's fallback when its plan does not fit the budget.
 
     ``build(demand_GE, row_cap)`` plans a demand with an optional per-instance row cap.
@@ -1360,15 +1360,13 @@ def resolve_budget(build: Callable[[np.ndarray, int | None], Plan], demand_GE: n
 
     ``fits(demand_GE, row_cap)``, when given, must equal ``build(demand_GE, row_cap).fits``; the
     searches then probe it and build only the plan they return (for planners whose ``fits`` is
-    cheaper than their plan). Without it every probe builds its plan."""
+    cheaper than their plan). Without it every probe builds its plan. ``unfit=True``: the caller
+    knows ``build(demand_GE, None)`` does not fit (LRMoE: over the memory floor at every kept-pair
+    count); that plan is then built only when the fallback fails, for its ``oom`` report."""
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
     if isinstance(max_split, bool) or not isinstance(max_split, int) or max_split < 1:
         raise ValueError(f"max_split must be an integer >= 1, got {max_split!r}")
-    plan = build(demand_GE, None)
-    if plan.fits:
-        return plan
-    oom = replace_plan(plan, over_budget=True, fallback="oom")
     built: dict[tuple, Plan] = {}  # every probe's plan when fits is not given (the answer is one of them)
 
     def plan_of(d_GE, row_cap) -> Plan:
@@ -1377,13 +1375,26 @@ def resolve_budget(build: Callable[[np.ndarray, int | None], Plan], demand_GE: n
             built[key] = build(d_GE, row_cap)
         return built[key]
 
+    whole: list[Plan] = []  # the plan of the whole demand, once built
+
+    def whole_plan() -> Plan:
+        if not whole:
+            whole.append(build(demand_GE, None))
+        return whole[0]
+
+    if not unfit and whole_plan().fits:
+        return whole[0]
+
+    def oom() -> Plan:
+        return replace_plan(whole_plan(), over_budget=True, fallback="oom")
+
     if fits is None:
         def fits(d_GE, row_cap):
             return plan_of(d_GE, row_cap).fits
     if fallback == "drop":
         if not fits(demand_GE, 0):
-            return oom
-        lo, hi = 0, int(plan.rows_N.max())  # cap lo fits, cap hi does not
+            return oom()
+        lo, hi = 0, int(whole_plan().rows_N.max())  # cap lo fits, cap hi does not
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(demand_GE, mid) else (lo, mid)
@@ -1398,10 +1409,10 @@ def resolve_budget(build: Callable[[np.ndarray, int | None], Plan], demand_GE: n
             else:
                 lo = n
         if hi is None:
-            return oom
+            return oom()
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if fits(split_piece(demand_GE, mid), None) else (mid, hi)
         best = plan_of(split_piece(demand_GE, hi), None)
         return replace_plan(best, over_budget=True, fallback=f"split_microbatch:{hi}", num_splits=hi)
-    return oom
+    return oom()
