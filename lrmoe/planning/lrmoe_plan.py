@@ -411,14 +411,15 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
         return (lo_keep, *thresholds[lo_keep])
 
     def build(d_GE, row_cap):
-        P = int(d_GE.sum())
+        P = P_whole if d_GE is demand_GE else int(d_GE.sum())
         hi_keep = retained_total(P, drop_ratio)
         key = PieceKey(d_GE)
         if policy_args is not None and key not in kept:  # the search and the plan in one compiled call
             # a split probe's answer for this piece (hi_keep over, lo_keep fits): not probed again
             lo_known, lo_thr, lo_thr_fits = probed.get(key, (-1, -1, False))
-            n_keep, q_E, bad, raw = K.plan_piece(d_GE, prob, *policy_args, hi_keep, retained_total(P, max_drop_ratio),
-                                                 lo_known, lo_thr, lo_thr_fits)
+            lo_keep = lo_whole if d_GE is demand_GE else retained_total(P, max_drop_ratio)
+            n_keep, q_E, bad, raw = K.plan_piece(d_GE, prob, *policy_args, hi_keep, lo_keep, lo_known, lo_thr,
+                                                 lo_thr_fits)
             _raise_on_bad_quota(bad)
             kept[key] = (None if n_keep < 0 else n_keep, raw[1], False)
             n_keep = kept[key][0]
@@ -463,8 +464,9 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
 
     # no kept-pair count of the whole demand fits when even max_drop_ratio's is over the memory floor:
     # its plan (hi_keep's, over the budget) is then built only if the microbatch split fails too
-    P = int(demand_GE.sum())
-    unfit = _over_memory_floor(dims, cluster.num_ranks, P, min(retained_total(P, max_drop_ratio), P), budget_bytes)
+    P_whole = int(demand_GE.sum())
+    lo_whole = retained_total(P_whole, max_drop_ratio)
+    unfit = _over_memory_floor(dims, cluster.num_ranks, P_whole, min(lo_whole, P_whole), budget_bytes)
     return resolve_budget(build, demand_GE, budget_bytes, fallback, max_split, fits=fits, unfit=unfit)
 
 
