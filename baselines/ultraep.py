@@ -21,8 +21,8 @@ import numpy as np
 
 from lrmoe.planning.jit import njit
 from lrmoe.planning.memory import memory_constants, memory_from_counts
-from lrmoe.planning.plan import (cap_rows_kernel, heap_pop, heap_push, locality_split_kernel, make_plan, owned_layout,
-                                 replica_layout, resolve_budget)
+from lrmoe.planning.plan import (cap_rows_kernel, heap_pop, heap_push, locality_split_kernel, make_plan,
+                                 replica_layout, replica_slot_count, resolve_budget)
 
 Replica = tuple[int, int, int]  # (expert, host rank, quota rows)
 
@@ -416,12 +416,7 @@ def _layout_fits(demand_GE, dims, budget_bytes, rank_N, is_replica_N, quota_N) -
 
 def _redundant_slots(cluster, dims, policy, redundant_slots) -> int:
     """R, the replica slots per rank (default S - E/G), checked."""
-    epr = owned_layout(cluster, dims, policy)
-    R_max = cluster.slots_per_rank - epr
-    R = R_max if redundant_slots is None else redundant_slots
-    if isinstance(R, bool) or not isinstance(R, (int, np.integer)) or not 0 <= R <= R_max:
-        raise ValueError(f"{policy}: redundant_slots must be an integer in [0, S - E/G = {R_max}], got {R!r}")
-    return int(R)
+    return replica_slot_count(cluster, dims, policy, redundant_slots, f"{policy}: redundant_slots")
 
 
 def _check_common(cluster, dims, policy, redundant_slots):

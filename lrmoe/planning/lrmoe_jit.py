@@ -23,7 +23,7 @@ import math
 import numpy as np
 
 from .jit import njit
-from .plan import add_top, divmod_nonneg, pop_largest
+from .plan import add_top, divmod_nonneg, owner_prefix, pop_largest, take_sends
 
 EPS = 1e-9
 WATERFILL, PROPORTIONAL = 0, 1  # the built-in quota policies (lrmoe.planning.quota)
@@ -1580,19 +1580,10 @@ def check_plan(d_GE, expert_N, rank_N, slot_N, send, quota):
         return 4, dropped, is_rep_N, 0, 0
     if low_quota < 0 or low_gap < 0:
         return 5, dropped, is_rep_N, 0, 0
-    K = 0  # columns [0, K) are experts 0..K-1 in order (the owners): a plain difference, the rest by expert
-    while K < N and K < E and expert_N[K] == K:
-        K += 1
+    K = owner_prefix(expert_N, E)
     ex = expert_N[K:]
     for s in range(G):
-        row, drop = send[s], dropped[s]
-        for c in range(K):
-            drop[c] -= row[c]
-        tail = row[K:]  # loops over slices from 0 (a loop from a variable start compiles to slower code)
-        for j in range(N - K):
-            v = tail[j]
-            if v != 0:
-                drop[ex[j]] -= v
+        take_sends(dropped[s], send[s], ex, K)
     low, pairs = 0, 0
     for s in range(G):
         for e in range(E):

@@ -65,7 +65,7 @@ import numpy as np
 from . import lrmoe_jit as K
 from .memory import MemoryBreakdown, instance_bytes, token_row_bytes, total_memory_floor
 from .plan import (Cluster, Instances, ModelDims, PieceKey, Plan, domain_receivers, new_plan, owned_layout,
-                   replace_plan, resolve_budget)
+                   replace_plan, replica_slot_count, resolve_budget)
 from .quota import (check_drop_ratio, check_min_keep, compute_quota, get_quota_policy, keep_fraction,
                     proportional_quota, quota_for, retained_total, waterfill_quota)
 
@@ -141,11 +141,7 @@ def _layout(cluster: Cluster, dims: ModelDims, replica_slots: int) -> tuple:
 
 def _replica_slots(cluster: Cluster, dims: ModelDims, replica_slots) -> int:
     """The replica slots per rank a planner call uses: ``replica_slots``, checked, or all (S - E/G) when None."""
-    R_max = cluster.slots_per_rank - owned_layout(cluster, dims, "lrmoe")
-    R = R_max if replica_slots is None else replica_slots
-    if isinstance(R, bool) or not isinstance(R, (int, np.integer)) or not 0 <= R <= R_max:
-        raise ValueError(f"replica_slots must be an integer in [0, S - E/G = {R_max}], got {R!r}")
-    return int(R)
+    return replica_slot_count(cluster, dims, "lrmoe", replica_slots, "replica_slots")
 
 
 def _builtin_quota(policy: str, options: dict):
@@ -417,9 +413,8 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
         if policy_args is not None and key not in kept:  # the search and the plan in one compiled call
             # a split probe's answer for this piece (hi_keep over, lo_keep fits): not probed again
             lo_known, lo_thr, lo_thr_fits = probed.get(key, (-1, -1, False))
-            lo_keep = lo_whole if d_GE is demand_GE else retained_total(P, max_drop_ratio)
-            n_keep, q_E, bad, raw = K.plan_piece(d_GE, prob, *policy_args, hi_keep, lo_keep, lo_known, lo_thr,
-                                                 lo_thr_fits)
+            n_keep, q_E, bad, raw = K.plan_piece(d_GE, prob, *policy_args, hi_keep, retained_total(P, max_drop_ratio),
+                                                 lo_known, lo_thr, lo_thr_fits)
             _raise_on_bad_quota(bad)
             kept[key] = (None if n_keep < 0 else n_keep, raw[1], False)
             n_keep = kept[key][0]
@@ -464,9 +459,9 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
 
     # no kept-pair count of the whole demand fits when even max_drop_ratio's is over the memory floor:
     # its plan (hi_keep's, over the budget) is then built only if the microbatch split fails too
-    P_whole = int(demand_GE.sum())
-    lo_whole = retained_total(P_whole, max_drop_ratio)
-    unfit = _over_memory_floor(dims, cluster.num_ranks, P_whole, min(lo_whole, P_whole), budget_bytes)
+    P_whole = int(demand_GE.sum())  # build reuses it for the whole demand
+    unfit = _over_memory_floor(dims, cluster.num_ranks, P_whole, min(retained_total(P_whole, max_drop_ratio), P_whole),
+                               budget_bytes)
     return resolve_budget(build, demand_GE, budget_bytes, fallback, max_split, fits=fits, unfit=unfit)
 
 

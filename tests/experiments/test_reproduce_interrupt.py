@@ -113,13 +113,12 @@ def _assert_checkpointed_at_its_step(run_dir):
 
 # With SIGINT at its default, the parent's SIGTERM handling is the same (and the workers ignore
 # SIGINT either way, set by their initializer): the Ctrl-C test below covers that disposition.
-@pytest.mark.parametrize("sigint", [signal.SIG_IGN], ids=["sigint-ignored"])
-def test_sigterm_lets_parallel_workers_checkpoint_and_exit(tmp_path, sigint):
+def test_sigterm_lets_parallel_workers_checkpoint_and_exit(tmp_path):
     """With SIGINT ignored, the workers inherit the ignore: the parent used to forward SIGTERM to
     them as SIGINT, which they ignored; they trained on until the grace period ended.
     The third run is queued: the executor hands it to the first worker that stops, which used to
     train it, unsignalled, until the grace period ended (here: never)."""
-    rc, log, left, out = _stop_once_training(tmp_path, jobs=2, training=list(RUNS[:2]), sigint=sigint)
+    rc, log, left, out = _stop_once_training(tmp_path, jobs=2, training=list(RUNS[:2]), sigint=signal.SIG_IGN)
     assert rc == 130, log
     assert "interrupted; rerun the same command to resume" in log
     assert not left, "processes left in the group:\n" + "\n".join(left)
@@ -130,12 +129,11 @@ def test_sigterm_lets_parallel_workers_checkpoint_and_exit(tmp_path, sigint):
 
 # With SIGINT ignored only: the SIGTERM path is the same at the default disposition, and both
 # regressions below fail here (the kill at once and the SIGTERM turned into an ignored SIGINT).
-@pytest.mark.parametrize("sigint", [signal.SIG_IGN], ids=["sigint-ignored"])
-def test_sigterm_to_one_job_checkpoints_the_run_and_starts_no_other(tmp_path, sigint):
+def test_sigterm_to_one_job_checkpoints_the_run_and_starts_no_other(tmp_path):
     """With --jobs 1 the run trains in the parent itself: SIGTERM used to kill it at once (status
     -15, no checkpoint, its steps since the last periodic checkpoint lost); later, with SIGINT
     ignored, it did nothing at all (it was turned into a SIGINT, which the training loop ignores)."""
-    rc, log, left, out = _stop_once_training(tmp_path, jobs=1, training=[RUNS[0]], sigint=sigint)
+    rc, log, left, out = _stop_once_training(tmp_path, jobs=1, training=[RUNS[0]], sigint=signal.SIG_IGN)
     assert rc == 130, log
     assert "interrupted; rerun the same command to resume" in log
     assert not left, "processes left in the group:\n" + "\n".join(left)
