@@ -4,8 +4,8 @@ the planners as of revision 2cf58af) on seeded random small cases, for every bui
 As long as the live planners only got faster, every plan equals the reference's field by field.
 Where a live plan differs, the test says which is better and by how much (slowest rank's cost =
 forward rows + 2 x kept rows, peak memory, kept pairs, forward drops) and fails only if the live
-plan is worse: over the budget where the reference fits it, a slower slowest rank, fewer kept
-pairs or more forward drops.
+plan is worse in the decided order: over the budget where the reference fits it, else more forward
+drops, else fewer kept pairs, else a slower slowest rank.
 """
 from __future__ import annotations
 
@@ -72,18 +72,24 @@ def differences(live, ref) -> list[str]:
     return [f.name for f in dataclasses.fields(live) if not same(getattr(live, f.name), getattr(ref, f.name))]
 
 
+# the decided order of plan quality (issue 29): a plan that fits beats one that does not, then fewer
+# forward drops (the baselines' capacity), then more kept backward pairs, then the lower slowest rank
+ORDER = (("over budget where the reference fits", lambda q: q["fits"]),
+         ("forward drops", lambda q: -q["dropped"]),
+         ("kept pairs", lambda q: q["kept"]),
+         ("slowest rank's cost", lambda q: -q["cost"]))
+
+
 def judge(live, ref, where: str) -> None:
-    """Pass when equal; otherwise pass only if the live plan is not worse, and say how they differ."""
+    """Pass when equal; otherwise pass only if the live plan is not worse in :data:`ORDER` (the first
+    criterion on which the plans differ decides), and say how they differ."""
     diff = differences(live, ref)
     if not diff:
         return
     ql, qr = quality(live), quality(ref)
-    worse = [k for k, bad in (("over budget where the reference fits", qr["fits"] and not ql["fits"]),
-                              ("slowest rank's cost", ql["cost"] > qr["cost"]),
-                              ("kept pairs", ql["kept"] < qr["kept"]),
-                              ("forward drops", ql["dropped"] > qr["dropped"])) if bad]
-    verdict = ("WORSE: " + ", ".join(worse)) if worse else (
-        "better" if (ql["cost"], -ql["kept"], ql["peak"]) < (qr["cost"], -qr["kept"], qr["peak"]) else "as good")
+    decided = next(((name, key(ql) > key(qr)) for name, key in ORDER if key(ql) != key(qr)), None)
+    worse = [] if decided is None or decided[1] else [decided[0]]
+    verdict = ("WORSE: " + ", ".join(worse)) if worse else (f"better ({decided[0]})" if decided else "as good")
     msg = (f"{where}: live plan differs from the reference in {diff}; {verdict}; "
            f"cost {ql['cost']:.0f} vs {qr['cost']:.0f} ({ql['cost'] - qr['cost']:+.0f}), "
            f"peak {ql['peak']} vs {qr['peak']} ({ql['peak'] - qr['peak']:+d} B), "
@@ -144,3 +150,22 @@ def test_differences_ignore_only_the_exact_default_of_live_only_info():
     tolerant = dataclasses.replace(live, info={**live.info, "search_tolerance": 1e-3})
     assert differences(tolerant, ref) == ["info"]
     assert differences(ref, live) == ["info"]  # only the live plan's extra key is forgiven
+
+
+def test_judge_follows_the_decided_order():
+    """More kept pairs beat a lower slowest rank; fitting beats more kept pairs."""
+    cluster, d = CLUSTERS["G4"], demand(2, 4)
+    keep_all = reference_plan("lrmoe", d, cluster, DIMS, math.inf, drop_ratio=0.0)
+    keep_less = reference_plan("lrmoe", d, cluster, DIMS, math.inf, drop_ratio=0.5)
+    ql, qm = quality(keep_less), quality(keep_all)
+    assert ql["kept"] < qm["kept"] and ql["cost"] < qm["cost"]
+    judge(keep_all, keep_less, "more kept, slower")
+    with pytest.raises(AssertionError, match="WORSE: kept pairs"):
+        judge(keep_less, keep_all, "fewer kept, faster")
+    budget = (ql["peak"] + qm["peak"]) / 2  # keep_less fits it, keep_all does not
+    assert ql["peak"] <= budget < qm["peak"]
+    tight_less = dataclasses.replace(keep_less, budget_bytes=budget)
+    tight_all = dataclasses.replace(keep_all, budget_bytes=budget)
+    judge(tight_less, tight_all, "fits, fewer kept")
+    with pytest.raises(AssertionError, match="WORSE: over budget where the reference fits"):
+        judge(tight_all, tight_less, "over, more kept")
