@@ -420,6 +420,36 @@ def test_threshold_search_from_the_domain_floor(kind):
     assert compared >= 10
 
 
+# cases (of 40) whose threshold search skipped a midpoint (domains of half the ranks, about 4 per kind;
+# an all-zero or one-token demand has no midpoint below the floor)
+SKIPS_AT_LEAST = {"random": 2, "empty_experts": 1, "hot_expert": 2, "one_token": 0, "zero": 0, "zero_rank": 2}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_threshold_bisection_skips_only_failing_midpoints(kind):
+    """lrmoe_jit.threshold answers midpoints below the domain floor without a greedy pass: its
+    threshold is the plain bisection's (every midpoint run) in every case, monotone or not, and
+    the skip is exercised (fewer greedy passes in some cases)."""
+    rng = np.random.default_rng(list(KINDS).index(kind) + 1400)
+    skipped = 0
+    for i in range(40):
+        cl, dims, d = case(rng, kind)
+        qs, prob, work = search_case(rng, cl, dims, d, d.sum() * 4 // 5, math.inf if i % 2 else 1e12)
+        lo, top = qs[10], qs[11]
+        passes = prob[14][0]
+        thr = K.threshold(qs, prob, work)
+        passes = prob[14][0] - passes
+        assert thr == bisection(qs, prob, work)
+        n_mid, a, b = 0, lo, top  # the bisection's midpoints, counted
+        while b > a:
+            mid = (a + b) // 2
+            n_mid += 1
+            a, b = (a, mid) if K.greedy(mid, qs, prob, work) >= 0 else (mid + 1, b)
+        assert passes <= n_mid
+        skipped += passes < n_mid
+    assert skipped >= SKIPS_AT_LEAST[kind], skipped
+
+
 @pytest.mark.parametrize("kind", ("random", "hot_expert", "empty_experts"))
 def test_kept_pair_probes_in_either_order(kind):
     """A kept-pair probe answers the same whichever candidate it tries first (cost-optimal or top),
