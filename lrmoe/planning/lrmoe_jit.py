@@ -505,8 +505,8 @@ def _shed(r, need, qs, prob, slack, mem, free, left, reps, n, head_E, next_R, st
     w_E, rb_E, mine_ptr, mine_idx = qs[3], qs[4], qs[8], qs[9]
     others_ptr, others_idx, rep_bytes, budget, min_rows = prob[1], prob[2], prob[4], prob[10], prob[12]
     finite = budget < math.inf
-    for j in range(mine_ptr[r], mine_ptr[r + 1]):
-        e = mine_idx[j]
+    receivers = others_idx[others_ptr[r]:others_ptr[r + 1]]  # loops over slices: numba compiles a range
+    for e in mine_idx[mine_ptr[r]:mine_ptr[r + 1]]:  # with a variable start slower (docs/benchmarks.md)
         w, rb = w_E[e], rb_E[e]
         w_min = w - EPS  # the least slack that takes one row
         token += 1  # stamp[u] == token: u hosts a replica of e already
@@ -516,8 +516,7 @@ def _shed(r, need, qs, prob, slack, mem, free, left, reps, n, head_E, next_R, st
             k = next_R[k]
         while (need > EPS or mem[r] > budget) and left[e] > 0:
             t, best = -1, -1.0
-            for jj in range(others_ptr[r], others_ptr[r + 1]):  # the first rank with the most slack
-                u = others_idx[jj]
+            for u in receivers:  # the first rank with the most slack
                 if slack[u] > best and free[u] > 0 and slack[u] >= w_min and stamp[u] != token \
                         and (not finite or mem[u] + rep_bytes + rb <= budget):
                     t, best = u, slack[u]
