@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 TARGETS = {"layer": "lrmoe.bench.layer", "planners": "lrmoe.bench.planners", "simulator": "lrmoe.bench.simulator",
-           "keep-scan": "lrmoe.bench.keep_scan"}
+           "keep-scan": "lrmoe.bench.keep_scan", "planner-check": "lrmoe.bench.planner_check"}
 
 
 def register_cli(sub) -> None:

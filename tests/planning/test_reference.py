@@ -18,6 +18,7 @@ import pytest
 from lrmoe.planning import Cluster, ModelDims
 from lrmoe.planning.policies import plan_placement
 from lrmoe.planning.reference import REFERENCE_PLANNERS, reference_plan
+from lrmoe.bench.planner_check import differences, quality, verdict
 
 DIMS = ModelDims(hidden=64, intermediate=32, num_experts=8, top_k=2)
 CLUSTERS = {"G4": Cluster(num_ranks=4, slots_per_rank=4),
@@ -44,53 +45,18 @@ def demand(seed, G, E=8):
     return d
 
 
-def quality(plan) -> dict:
-    return {"cost": float(plan.cost_G(2.0).max(initial=0.0)), "peak": int(plan.memory.peak), "fits": plan.fits,
-            "kept": int(plan.backward_quota_GN.sum() * plan.num_splits),
-            "dropped": int(plan.dropped_GE.sum() * plan.num_splits), "replicas": int(plan.num_replicas_G.sum()),
-            "fallback": plan.fallback}
-
-
-# info the live LRMoE planner adds and the reference (exact searches only) lacks, at its exact value
-LIVE_ONLY_INFO = {"search_tolerance": 0.0}
-
-
-def differences(live, ref) -> list[str]:
-    """Names of the plan fields that differ (arrays compared exactly, info and state by value); the
-    live plan's :data:`LIVE_ONLY_INFO` entries count as equal where the reference has no such key."""
-    extra = {k for k, v in LIVE_ONLY_INFO.items() if live.info.get(k, v) == v and k in live.info and k not in ref.info}
-    if extra:
-        live = dataclasses.replace(live, info={k: v for k, v in live.info.items() if k not in extra})
-    def same(a, b):
-        if dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b):
-            return all(same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
-        if isinstance(a, dict) and isinstance(b, dict):
-            return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-        if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-            return np.shape(a) == np.shape(b) and np.array_equal(a, b)
-        return a == b
-    return [f.name for f in dataclasses.fields(live) if not same(getattr(live, f.name), getattr(ref, f.name))]
-
-
-# the decided order of plan quality (issue 29): a plan that fits beats one that does not, then fewer
-# forward drops (the baselines' capacity), then more kept backward pairs, then the lower slowest rank
-ORDER = (("over budget where the reference fits", lambda q: q["fits"]),
-         ("forward drops", lambda q: -q["dropped"]),
-         ("kept pairs", lambda q: q["kept"]),
-         ("slowest rank's cost", lambda q: -q["cost"]))
-
-
 def judge(live, ref, where: str) -> None:
-    """Pass when equal; otherwise pass only if the live plan is not worse in :data:`ORDER` (the first
-    criterion on which the plans differ decides), and say how they differ."""
+    """Pass when equal; otherwise pass only if the live plan is not worse in the decided order
+    (lrmoe.bench.planner_check.verdict: the first criterion on which the plans differ decides), and
+    say how they differ."""
     diff = differences(live, ref)
     if not diff:
         return
     ql, qr = quality(live), quality(ref)
-    decided = next(((name, key(ql) > key(qr)) for name, key in ORDER if key(ql) != key(qr)), None)
-    worse = [] if decided is None or decided[1] else [decided[0]]
-    verdict = ("WORSE: " + ", ".join(worse)) if worse else (f"better ({decided[0]})" if decided else "as good")
-    msg = (f"{where}: live plan differs from the reference in {diff}; {verdict}; "
+    judged, criterion = verdict(ql, qr)
+    worse = judged == "worse"
+    said = f"WORSE: {criterion}" if worse else (f"better ({criterion})" if criterion else "as good")
+    msg = (f"{where}: live plan differs from the reference in {diff}; {said}; "
            f"cost {ql['cost']:.0f} vs {qr['cost']:.0f} ({ql['cost'] - qr['cost']:+.0f}), "
            f"peak {ql['peak']} vs {qr['peak']} ({ql['peak'] - qr['peak']:+d} B), "
            f"kept {ql['kept']} vs {qr['kept']}, drops {ql['dropped']} vs {qr['dropped']}, "
@@ -167,5 +133,5 @@ def test_judge_follows_the_decided_order():
     tight_less = dataclasses.replace(keep_less, budget_bytes=budget)
     tight_all = dataclasses.replace(keep_all, budget_bytes=budget)
     judge(tight_less, tight_all, "fits, fewer kept")
-    with pytest.raises(AssertionError, match="WORSE: over budget where the reference fits"):
+    with pytest.raises(AssertionError, match="WORSE: over budget where the other fits"):
         judge(tight_all, tight_less, "over, more kept")
