@@ -22,9 +22,9 @@ from fractions import Fraction
 import numpy as np
 
 from lrmoe.planning.jit import njit
-from lrmoe.planning.memory import memory_constants
-from lrmoe.planning.plan import (Instance, Instances, cap_columns, heap_pop, heap_push, keep_all_peak, make_plan,
-                                 prefix_split_ranges, resolve_budget)
+from lrmoe.planning.memory import MemoryBreakdown, memory_constants
+from lrmoe.planning.plan import (Instance, Instances, assemble, cap_columns, heap_pop, heap_push, keep_all_peak,
+                                 make_plan, new_plan, prefix_split_ranges, resolve_budget)
 
 
 @dataclass(frozen=True)
@@ -252,6 +252,15 @@ def route_kernel(d_GE, expert_N, counts_E, capacity_factor, row_cap):
     return send, capacity
 
 
+@njit
+def route_plan_kernel(d_GE, expert_N, counts_E, capacity_factor, row_cap, rank_N, slot_N, is_replica_N, consts):
+    """:func:`route_kernel` and the plan's assembly (:func:`lrmoe.planning.plan.assemble`, every sent pair
+    kept) in one call: (send, the capacity rows or -1, the assembly's outputs)."""
+    send, capacity = route_kernel(d_GE, expert_N, counts_E, capacity_factor, row_cap)
+    return send, capacity, assemble(d_GE, send, send, True, expert_N, rank_N, slot_N, is_replica_N, d_GE.shape[1],
+                                    consts)
+
+
 def plan_symi(demand_GE, cluster, dims, budget_bytes, *, state: SymiState | None = None,
               capacity_factor: float | None = 1.0, fallback: str = "split", max_split: int = 256):
     """SYMI placement from the previous step's popularity. capacity_factor: 1.0 (SYMI's setting:
@@ -277,10 +286,17 @@ def plan_symi(demand_GE, cluster, dims, budget_bytes, *, state: SymiState | None
         return send, (None if cap < 0 else cap)
 
     def build(d_GE, row_cap):
-        send, cap = route(d_GE, row_cap)
-        info = {"slot_counts_E": counts, "popularity_E": popularity, "capacity_rows": cap, "mode": mode}
-        return make_plan("symi", d_GE, cluster, dims, budget_bytes, instances, send, optimizer_on_gpu=False,
-                         info=info, state=new_state)
+        # make_plan's assembly in the routing's compiled call (SYMI's own layout: the instance check passes)
+        send, cap, (dropped, *memory, peak, err) = route_plan_kernel(
+            d_GE, expert_N, counts, cf, -1 if row_cap is None else int(row_cap), rank_N, instances.slot_N, replica_N,
+            consts)
+        info = {"slot_counts_E": counts, "popularity_E": popularity, "capacity_rows": None if cap < 0 else cap,
+                "mode": mode}
+        if err:  # never for SYMI's layout: make_plan says what is wrong
+            return make_plan("symi", d_GE, cluster, dims, budget_bytes, instances, send, optimizer_on_gpu=False,
+                             info=info, state=new_state)
+        return new_plan("symi", d_GE, instances, send, send, dropped, MemoryBreakdown.of(*memory, peak), budget_bytes,
+                        over_budget=peak > budget_bytes, info=info, state=new_state)
 
     def fits(d_GE, row_cap):
         # the memory of build's plan (every pair sent is kept) without assembling it: the budget

@@ -280,6 +280,33 @@ def test_symi_slot_count_ties_go_to_the_lower_index():
         assert symi_slot_counts(pop, slots).tolist() == symi_exact(pop, slots), (pop, slots)
 
 
+
+def test_symi_plan_assembled_with_its_route_equals_make_plans_and_reports_a_broken_layout(monkeypatch):
+    """SYMI assembles its plan in the routing's compiled call; make_plan builds the same plan from the
+    same counts, and a layout the assembly refuses (two instances in one slot) gets make_plan's error."""
+    import baselines.symi as symi
+    from lrmoe.bench.planner_check import differences
+    from lrmoe.planning.plan import Instances, make_plan
+
+    cluster, dims = Cluster(num_ranks=4, slots_per_rank=4), ModelDims(hidden=64, intermediate=32, num_experts=8, top_k=2)
+    d = np.random.default_rng(7).integers(0, 60, (4, 8))
+    state = SymiState(np.random.default_rng(8).integers(1, 90, 8))
+    plan = plan_placement("symi", d, cluster, dims, math.inf, state=state)
+    same = make_plan("symi", d, cluster, dims, math.inf, plan.instances, plan.send_GN, optimizer_on_gpu=False,
+                     info=plan.info, state=plan.state)
+    assert differences(plan, same) == [] and plan.backward_quota_GN is plan.send_GN
+    real = symi.symi_counts_layout
+
+    def two_in_one_slot(*args):
+        counts, inst = real(*args)
+        slot_N = inst.slot_N.copy()
+        slot_N[1] = slot_N[0]  # instances 0 and 1 share rank 0 (contiguous slots)
+        return counts, Instances.trusted(inst.expert_N, inst.rank_N, slot_N, inst.is_replica_N)
+
+    monkeypatch.setattr(symi, "symi_counts_layout", two_in_one_slot)
+    with pytest.raises(ValueError, match="distinct slots"):
+        plan_placement("symi", d, cluster, dims, math.inf, state=state)
+
 # ----------------------------------------------------------------------------- UltraEP
 def _brute_force_threshold(load, owner, free, domain, min_tokens):
     rank_load = np.bincount(owner, weights=load, minlength=len(free))
