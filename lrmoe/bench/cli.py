@@ -7,9 +7,9 @@ TARGETS = {"layer": "lrmoe.bench.layer", "planners": "lrmoe.bench.planners", "si
 
 def register_cli(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks (print a table, write JSON)", add_help=False,
-                       description="Benchmarks that print a table and write JSON. `lrmoe bench layer --help` and "
-                                   "`lrmoe bench planners --help` list their options; the others are scripts in "
-                                   "scripts/ (docs/benchmarks.md).")
+                       description="Benchmarks that print a table and write JSON. `lrmoe bench <target> --help` "
+                                   "lists a target's options; other benchmarks are scripts in scripts/ "
+                                   "(docs/benchmarks.md).")
     p.add_argument("-h", "--help", action="help", help="show this help message and exit")
     p.add_argument("target", choices=sorted(TARGETS),
                    help="what to benchmark; `lrmoe bench <target> --help` for options")
