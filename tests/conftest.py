@@ -28,9 +28,6 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 # (tests/background.py) runs the sm_90 Triton compile check, whose module runs last.
 # LRMOE_WARM_PLANNERS=0: no background (each module does its own work).
 PLANNER_FREE = ("architecture", "base", "cli", "kernels", "ablate")  # checked: they compile no planner
-# but these modules of those folders: the GPU check's dry run plans (its training step) and starts its own
-# warm-up, which would compile beside the session's in a fresh clone instead of loading its cache
-PLANNING_MODULES = ("cli/test_gpu_check.py",)
 LAST = (background.TRITON_CHECK_MODULE,)  # modules that read a background job's output
 _state: dict = {}
 
@@ -38,10 +35,6 @@ _state: dict = {}
 def _folder(item) -> str:
     parts = _parts(item)
     return parts[0] if parts else ""
-
-
-def _planner_free(item) -> bool:
-    return _folder(item) in PLANNER_FREE and "/".join(_parts(item)[:2]) not in PLANNING_MODULES
 
 
 def _parts(item) -> tuple:
@@ -73,7 +66,7 @@ def pytest_collection_finish(session):
 
 def pytest_runtest_setup(item):
     bg = _state.get("bg")
-    if bg is not None and not _planner_free(item):
+    if bg is not None and _folder(item) not in PLANNER_FREE:
         bg.wait_for_warm_up()
 
 
@@ -86,7 +79,7 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_collection_modifyitems(config, items):
     # the folders that plan nothing first (in their order), beside the planners' warm-up; the modules
     # that read a background job's output last
-    items.sort(key=lambda item: ("/".join(_parts(item)[:2]) in LAST, not _planner_free(item)))
+    items.sort(key=lambda item: ("/".join(_parts(item)[:2]) in LAST, _folder(item) not in PLANNER_FREE))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
