@@ -281,10 +281,6 @@ def plan_symi(demand_GE, cluster, dims, budget_bytes, *, state: SymiState | None
 
     cf = -1.0 if capacity_factor is None else float(capacity_factor)
 
-    def route(d_GE, row_cap):
-        send, cap = route_kernel(d_GE, expert_N, counts, cf, -1 if row_cap is None else int(row_cap))
-        return send, (None if cap < 0 else cap)
-
     def build(d_GE, row_cap):
         # make_plan's assembly in the routing's compiled call (SYMI's own layout: the instance check passes)
         send, cap, (dropped, *memory, peak, err) = route_plan_kernel(
@@ -301,7 +297,7 @@ def plan_symi(demand_GE, cluster, dims, budget_bytes, *, state: SymiState | None
     def fits(d_GE, row_cap):
         # the memory of build's plan (every pair sent is kept) without assembling it: the budget
         # fallbacks' probes read only this
-        send, _ = route(d_GE, row_cap)
+        send, _ = route_kernel(d_GE, expert_N, counts, cf, -1 if row_cap is None else int(row_cap))
         return keep_all_peak(d_GE, send, rank_N, replica_N, consts) <= budget_bytes
 
     return resolve_budget(build, demand_GE, budget_bytes, fallback, max_split, fits=fits)

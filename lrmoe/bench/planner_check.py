@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from ..planning import Cluster, ModelDims
+from ..planning.plan import replace_plan
 from ..planning.policies import plan_placement
 from ..planning.reference import reference_plan
 from .common import markdown_table
@@ -69,7 +70,7 @@ def differences(live, ref) -> list[str]:
     live plan's :data:`LIVE_ONLY_INFO` entries count as equal where the reference has no such key."""
     extra = {k for k, v in LIVE_ONLY_INFO.items() if k in live.info and live.info[k] == v and k not in ref.info}
     if extra:
-        live = dataclasses.replace(live, info={k: v for k, v in live.info.items() if k not in extra})
+        live = replace_plan(live, info={k: v for k, v in live.info.items() if k not in extra})
 
     def same(a, b):
         if dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b):

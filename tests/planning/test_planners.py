@@ -280,7 +280,6 @@ def test_symi_slot_count_ties_go_to_the_lower_index():
         assert symi_slot_counts(pop, slots).tolist() == symi_exact(pop, slots), (pop, slots)
 
 
-
 def test_symi_plan_assembled_with_its_route_equals_make_plans_and_reports_a_broken_layout(monkeypatch):
     """SYMI assembles its plan in the routing's compiled call; make_plan builds the same plan from the
     same counts, and a layout the assembly refuses (two instances in one slot) gets make_plan's error."""
@@ -306,6 +305,7 @@ def test_symi_plan_assembled_with_its_route_equals_make_plans_and_reports_a_brok
     monkeypatch.setattr(symi, "symi_counts_layout", two_in_one_slot)
     with pytest.raises(ValueError, match="distinct slots"):
         plan_placement("symi", d, cluster, dims, math.inf, state=state)
+
 
 # ----------------------------------------------------------------------------- UltraEP
 def _brute_force_threshold(load, owner, free, domain, min_tokens):

@@ -15,10 +15,10 @@ import math
 import numpy as np
 import pytest
 
+from lrmoe.bench.planner_check import differences, quality, verdict
 from lrmoe.planning import Cluster, ModelDims
 from lrmoe.planning.policies import plan_placement
 from lrmoe.planning.reference import REFERENCE_PLANNERS, reference_plan
-from lrmoe.bench.planner_check import differences, quality, verdict
 
 DIMS = ModelDims(hidden=64, intermediate=32, num_experts=8, top_k=2)
 CLUSTERS = {"G4": Cluster(num_ranks=4, slots_per_rank=4),
