@@ -67,7 +67,7 @@ from .memory import MemoryBreakdown, instance_bytes, token_row_bytes, total_memo
 from .plan import (Cluster, Instances, ModelDims, PieceKey, Plan, domain_receivers, new_plan, owned_layout,
                    replace_plan, replica_slot_count, resolve_budget)
 from .quota import (check_drop_ratio, check_min_keep, compute_quota, get_quota_policy, keep_fraction,
-                    proportional_quota, quota_for, retained_total, waterfill_quota)
+                    proportional_quota, quota_for, retained_count, retained_total, waterfill_quota)
 
 _EPS = K.EPS
 # Plan.check's messages for the codes of lrmoe_jit.check_plan
@@ -318,21 +318,47 @@ class _QuotaSearch:
                        self.result_args)
 
 
-def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio: float = 0.0,
-               quota_policy: str = "waterfill", quota_options: dict | None = None, replica_slots: int | None = None,
-               backward_weight: float = 2.0, min_rows: int = 1, max_drop_ratio: float = 0.9,
-               fallback: str = "split", max_split: int = 256, search_tolerance: float = 0.0):
-    """LRMoE joint planner (module docstring).
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """A planner call's options, checked, and the constants they fix (:func:`_options`)."""
 
-    drop_ratio: requested backward drop ratio rho (kept pairs = round((1 - rho) P)).
-    quota_policy / quota_options: a registered ``lrmoe.planning.quota`` policy and its keyword options.
-    replica_slots: replica slots per rank (default and maximum S - E/G).
-    backward_weight: cost of a kept backward row in forward rows (2.0).
-    min_rows: smallest replica worth its weight transfer, in rows (1).
-    max_drop_ratio: how far quotas may shrink under memory pressure (0.9).
-    fallback when even max_drop_ratio does not fit: ``split`` (default) or ``oom``.
-    search_tolerance: relative width at which the kept-pair and threshold bisections stop, in [0, 0.1]
-    (0: exact, the reference's plans; module docstring)."""
+    quota_options: dict  # the quota policy's keyword options (shared by the calls: never written)
+    policy_args: tuple | None  # the compiled built-in quota policy's arguments, None for a user policy
+    prob: tuple  # the compiled searches' constants (_planner_problem)
+    backward_weight: float
+    keep: tuple[int, int]  # 1 - drop_ratio as (numerator, denominator): quota.keep_fraction
+    keep_max: tuple[int, int]  # 1 - max_drop_ratio
+
+
+def _options(cluster, dims, budget_bytes, drop_ratio, quota_policy, quota_options, replica_slots, backward_weight,
+             min_rows, max_drop_ratio, fallback, search_tolerance) -> _Options:
+    """:func:`_make_options`, made once per distinct call (a plan at EP8 costs ~60 us, checking its
+    options 5 of them) when the arguments are hashable. The cache keys on every argument's type
+    (True is not 1) and on the function registered under ``quota_policy`` now (a policy registered
+    again under its name is checked again); a call whose options fail raises every time."""
+    try:
+        opts = tuple(sorted((k, type(v), v) for k, v in quota_options.items())) if quota_options else ()
+        fn = get_quota_policy(quota_policy)
+    except (TypeError, ValueError, KeyError):  # unhashable, unsortable or unknown: _make_options says which
+        opts, fn = None, None
+    args = (cluster, dims, budget_bytes, drop_ratio, quota_policy, quota_options, replica_slots, backward_weight,
+            min_rows, max_drop_ratio, fallback, search_tolerance)
+    if opts is not None:
+        try:
+            return _cached_options(fn, opts, *args[:5], *args[6:])
+        except TypeError:  # an unhashable argument (a check raising TypeError raises it again below)
+            pass
+    return _make_options(*args)
+
+
+@functools.lru_cache(maxsize=256, typed=True)
+def _cached_options(fn, opts, cluster, dims, budget_bytes, drop_ratio, quota_policy, *rest) -> _Options:
+    return _make_options(cluster, dims, budget_bytes, drop_ratio, quota_policy, {k: v for k, _, v in opts}, *rest)
+
+
+def _make_options(cluster, dims, budget_bytes, drop_ratio, quota_policy, quota_options, replica_slots,
+                  backward_weight, min_rows, max_drop_ratio, fallback, search_tolerance) -> _Options:
+    """The planner call's options checked (:func:`plan_lrmoe`'s errors) and the constants they fix."""
     check_drop_ratio(drop_ratio)
     check_drop_ratio(max_drop_ratio)
     if max_drop_ratio < drop_ratio:
@@ -354,12 +380,38 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
     else:
         check_min_keep(quota_options.get("min_keep", 0))
     bw = float(backward_weight)
-    info = {"drop_ratio": drop_ratio, "quota_policy": quota_policy, "search_tolerance": search_tolerance}
     prob = _planner_problem(cluster, dims, budget_bytes, int(R), bw, int(min_rows), float(search_tolerance))
-    result_args = (cluster, dims, budget_bytes, bw, info)
-    keep = keep_fraction(drop_ratio)
+    keep, keep_max = keep_fraction(drop_ratio), keep_fraction(max_drop_ratio)
     # the compiled built-in policies' arguments after the demand piece and the constants
     policy_args = None if builtin is None else (builtin[0], builtin[1], keep.numerator, keep.denominator)
+    return _Options(quota_options, policy_args, prob, bw, (keep.numerator, keep.denominator),
+                    (keep_max.numerator, keep_max.denominator))
+
+
+def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio: float = 0.0,
+               quota_policy: str = "waterfill", quota_options: dict | None = None, replica_slots: int | None = None,
+               backward_weight: float = 2.0, min_rows: int = 1, max_drop_ratio: float = 0.9,
+               fallback: str = "split", max_split: int = 256, search_tolerance: float = 0.0):
+    """LRMoE joint planner (module docstring).
+
+    drop_ratio: requested backward drop ratio rho (kept pairs = round((1 - rho) P)).
+    quota_policy / quota_options: a registered ``lrmoe.planning.quota`` policy and its keyword options.
+    replica_slots: replica slots per rank (default and maximum S - E/G).
+    backward_weight: cost of a kept backward row in forward rows (2.0).
+    min_rows: smallest replica worth its weight transfer, in rows (1).
+    max_drop_ratio: how far quotas may shrink under memory pressure (0.9).
+    fallback when even max_drop_ratio does not fit: ``split`` (default) or ``oom``.
+    search_tolerance: relative width at which the kept-pair and threshold bisections stop, in [0, 0.1]
+    (0: exact, the reference's plans; module docstring)."""
+    o = _options(cluster, dims, budget_bytes, drop_ratio, quota_policy, quota_options, replica_slots,
+                 backward_weight, min_rows, max_drop_ratio, fallback, search_tolerance)
+    prob, policy_args, quota_options = o.prob, o.policy_args, o.quota_options
+    info = {"drop_ratio": drop_ratio, "quota_policy": quota_policy, "search_tolerance": search_tolerance}
+    result_args = (cluster, dims, budget_bytes, o.backward_weight, info)
+
+    def keep_range(P):
+        """(requested kept pairs, the max_drop_ratio ones) of P routed pairs (quota.retained_total)."""
+        return retained_count(P, *o.keep), retained_count(P, *o.keep_max)
 
     def quotas(d_GE, n_keep):
         """Quotas of n_keep pairs of the piece d_GE from Python (a user policy)."""
@@ -374,7 +426,7 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
         key = PieceKey(d_GE)
         if key not in kept:
             P = int(d_GE.sum())
-            hi_keep, lo_keep = retained_total(P, drop_ratio), retained_total(P, max_drop_ratio)
+            hi_keep, lo_keep = keep_range(P)
             if policy_args is not None:
                 n_keep, thr, thr_fits, bad = K.keep_search(d_GE, prob, *policy_args, hi_keep, lo_keep, True,
                                                            -1, -1, -1, False)
@@ -408,13 +460,13 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
 
     def build(d_GE, row_cap):
         P = P_whole if d_GE is demand_GE else int(d_GE.sum())
-        hi_keep = retained_total(P, drop_ratio)
+        hi_keep, lo_keep = keep_range(P)
         key = PieceKey(d_GE)
         if policy_args is not None and key not in kept:  # the search and the plan in one compiled call
             # a split probe's answer for this piece (hi_keep over, lo_keep fits): not probed again
             lo_known, lo_thr, lo_thr_fits = probed.get(key, (-1, -1, False))
-            n_keep, q_E, bad, raw = K.plan_piece(d_GE, prob, *policy_args, hi_keep, retained_total(P, max_drop_ratio),
-                                                 lo_known, lo_thr, lo_thr_fits)
+            n_keep, q_E, bad, raw = K.plan_piece(d_GE, prob, *policy_args, hi_keep, lo_keep, lo_known, lo_thr,
+                                                 lo_thr_fits)
             _raise_on_bad_quota(bad)
             kept[key] = (None if n_keep < 0 else n_keep, raw[1], False)
             n_keep = kept[key][0]
@@ -446,7 +498,7 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
             return shrunk_keep(d_GE) is not None
         if key not in feasible:
             P = int(d_GE.sum())
-            hi_keep, lo_keep = retained_total(P, drop_ratio), retained_total(P, max_drop_ratio)
+            hi_keep, lo_keep = keep_range(P)
             n_keep, thr, thr_fits, bad = K.keep_search(d_GE, prob, *policy_args, hi_keep, lo_keep, False,
                                                        -1, -1, -1, False)
             _raise_on_bad_quota(bad)
@@ -460,7 +512,7 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
     # no kept-pair count of the whole demand fits when even max_drop_ratio's is over the memory floor:
     # its plan (hi_keep's, over the budget) is then built only if the microbatch split fails too
     P_whole = int(demand_GE.sum())  # build reuses it for the whole demand
-    unfit = _over_memory_floor(dims, cluster.num_ranks, P_whole, min(retained_total(P_whole, max_drop_ratio), P_whole),
+    unfit = _over_memory_floor(dims, cluster.num_ranks, P_whole, keep_range(P_whole)[1],
                                budget_bytes)
     return resolve_budget(build, demand_GE, budget_bytes, fallback, max_split, fits=fits, unfit=unfit)
 

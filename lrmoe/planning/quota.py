@@ -67,8 +67,13 @@ def retained_total(num_pairs: int, drop_ratio: float) -> int:
     keep = keep_fraction(drop_ratio)
     if num_pairs < 0:
         raise ValueError(f"num_pairs must be >= 0, got {num_pairs}")
-    num, den = keep.numerator, keep.denominator  # floor(keep * P + 1/2) in integers
-    return min(int(num_pairs), (2 * num * int(num_pairs) + den) // (2 * den))
+    return retained_count(int(num_pairs), keep.numerator, keep.denominator)
+
+
+def retained_count(num_pairs: int, num: int, den: int) -> int:
+    """:func:`retained_total` of ``num_pairs >= 0`` (an int) with the keep fraction num / den already
+    made (:func:`keep_fraction`; for callers that hold it): floor(keep * P + 1/2) in integers."""
+    return min(num_pairs, (2 * num * num_pairs + den) // (2 * den))
 
 
 def _top_ranks(priority_E: np.ndarray, eligible_E: np.ndarray) -> np.ndarray:

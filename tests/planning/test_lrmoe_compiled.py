@@ -17,8 +17,8 @@ from lrmoe.planning import Cluster, ModelDims
 from lrmoe.planning import lrmoe_jit as K
 from lrmoe.planning import lrmoe_plan as L
 from lrmoe.planning.policies import plan_placement
-from lrmoe.planning.quota import (keep_fraction, proportional_quota, register_quota_policy, retained_total,
-                                  unregister_quota_policy, waterfill_quota)
+from lrmoe.planning.quota import (keep_fraction, proportional_quota, quota_policies, register_quota_policy,
+                                  retained_total, unregister_quota_policy, waterfill_quota)
 from lrmoe.planning.reference import lrmoe_plan as R
 from lrmoe.planning.reference import reference_plan
 
@@ -289,6 +289,51 @@ def test_user_quota_policy_takes_the_python_kept_pair_search():
                 same(b, a, f"case {i} budget {frac}")
     finally:
         unregister_quota_policy("waterfill_copy")
+
+
+def test_checked_options_are_remembered_per_call_not_across_types_or_policies():
+    """plan_lrmoe checks its options once per distinct call (lrmoe_plan._options): a bad option
+    still raises on every call, also after the same value of another type (True after 1, in
+    quota_options too) was accepted; a quota policy registered again under its name is used;
+    unhashable quota options (a user policy's array) take the unremembered path and plan the same."""
+    rng = np.random.default_rng(12)
+    cl, dims, d = case(rng, "hot_expert")
+    for _ in range(2):
+        plan_placement("lrmoe", d, cl, dims, math.inf, min_rows=1)
+        with pytest.raises(ValueError, match="min_rows must be an integer >= 1, got True"):
+            plan_placement("lrmoe", d, cl, dims, math.inf, min_rows=True)
+        plan_placement("lrmoe", d, cl, dims, math.inf, quota_options={"min_keep": 1})
+        with pytest.raises(ValueError, match="min_keep must be an int >= 0, got True"):
+            plan_placement("lrmoe", d, cl, dims, math.inf, quota_options={"min_keep": True})
+        with pytest.raises(ValueError, match=r"max_drop_ratio \(0.1\) must be >= drop_ratio \(0.2\)"):
+            plan_placement("lrmoe", d, cl, dims, math.inf, drop_ratio=0.2, max_drop_ratio=0.1)
+
+    def last(demand_E, n_keep):  # the last experts' pairs first
+        r = demand_E[::-1]
+        return np.minimum(r, np.maximum(n_keep - np.cumsum(r) + r, 0))[::-1]
+
+    try:
+        kept = []
+        # waterfill itself (the compiled search computes its quotas), then a policy of its own
+        for fn in (waterfill_quota, last):
+            register_quota_policy("test_order", fn, override=True)
+            p = plan_placement("lrmoe", d, cl, dims, math.inf, drop_ratio=0.5, quota_policy="test_order")
+            kept.append(p.info["quota_E"])
+            assert np.array_equal(p.info["quota_E"], fn(d.sum(0), int(p.info["n_keep"])))
+        assert not np.array_equal(*kept)  # the second registration was used, not the first one's options
+
+        def scaled(demand_E, n_keep, weights):
+            return waterfill_quota(demand_E, n_keep)
+
+        register_quota_policy("test_weights", scaled)
+        w = np.ones(dims.num_experts)  # an array option: unhashable
+        a = plan_placement("lrmoe", d, cl, dims, math.inf, drop_ratio=0.2, quota_policy="test_weights",
+                           quota_options={"weights": w})
+        b = plan_placement("lrmoe", d, cl, dims, math.inf, drop_ratio=0.2)
+        assert np.array_equal(a.backward_quota_GN, b.backward_quota_GN) and np.array_equal(a.send_GN, b.send_GN)
+    finally:
+        for name in {"test_order", "test_weights"} & set(quota_policies()):
+            unregister_quota_policy(name)
 
 
 def test_greedy_at_thresholds_with_one_rank_and_no_slots():
