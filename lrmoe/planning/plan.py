@@ -399,19 +399,28 @@ def check_inputs(demand_GE, cluster: Cluster, dims: ModelDims, budget_bytes) -> 
     if d.shape != (G, E):
         raise ValueError(f"demand_GE must have shape [G={G}, E={E}] (ranks x experts), got {d.shape}")
     if d.dtype == _INT64 and d.flags.c_contiguous:  # the usual case: one compiled pass checks and copies
-        out, low = nonnegative_copy(d)
-        if low < 0:
-            raise ValueError(f"demand_GE counts must be >= 0, got minimum {low}")
-        check_budget(budget_bytes)
-        return out
-    if d.dtype == bool or not (np.issubdtype(d.dtype, np.integer) or np.issubdtype(d.dtype, np.floating)):
-        raise ValueError(f"demand_GE must hold integer counts, got dtype {d.dtype}")
-    if np.issubdtype(d.dtype, np.floating) and not (np.isfinite(d).all() and (d == np.round(d)).all()):
-        raise ValueError("demand_GE must hold whole-number counts")
-    if (d < 0).any():
-        raise ValueError(f"demand_GE counts must be >= 0, got minimum {d.min()}")
+        out, low, high, total = nonnegative_copy(d)
+    else:
+        if d.dtype == bool or not (np.issubdtype(d.dtype, np.integer) or np.issubdtype(d.dtype, np.floating)):
+            raise ValueError(f"demand_GE must hold integer counts, got dtype {d.dtype}")
+        if np.issubdtype(d.dtype, np.floating) and not (np.isfinite(d).all() and (d == np.round(d)).all()):
+            raise ValueError("demand_GE must hold whole-number counts")
+        if d.size and (d.max() > MAX_ROUTED_PAIRS or d.min() < 0):  # before the int64 cast (a float may not fit)
+            low, high, total = d.min(), d.max(), 0
+        else:
+            out, low, high, total = nonnegative_copy(np.ascontiguousarray(d, dtype=np.int64))
+    if low < 0:
+        raise ValueError(f"demand_GE counts must be >= 0, got minimum {low}")
+    if high > MAX_ROUTED_PAIRS or total > MAX_ROUTED_PAIRS:
+        raise ValueError(f"demand_GE holds {max(high, total):,.0f} routed pairs; the planners support at most "
+                         f"{MAX_ROUTED_PAIRS:,} per MoE layer (2^31: their int64 arithmetic multiplies two counts)")
     check_budget(budget_bytes)
-    return d.astype(np.int64)
+    return out
+
+
+#: The most routed (token, expert) pairs one demand may hold: the compiled planners multiply two
+#: counts in int64 (a largest-remainder split, kept x sent), so every product stays below 2^62.
+MAX_ROUTED_PAIRS = 2**31
 
 
 _INT64 = np.dtype(np.int64)
@@ -419,17 +428,20 @@ _INT64 = np.dtype(np.int64)
 
 @njit
 def nonnegative_copy(d_GE):
-    """A copy of a 2-D int64 array and its minimum (the first entry's when all are >= 0)."""
+    """A copy of a 2-D int64 array, its minimum and maximum (0 and 0 when empty) and its sum (valid when
+    the entries are at most MAX_ROUTED_PAIRS: a sum of fewer than 2^32 of them fits int64)."""
     out = np.empty_like(d_GE)
-    low = d_GE[0, 0] if d_GE.size else 0
+    low = high = d_GE[0, 0] if d_GE.size else 0
+    total = 0
     G, E = d_GE.shape
     for g in range(G):
         for e in range(E):
             v = d_GE[g, e]
             out[g, e] = v
-            if v < low:
-                low = v
-    return out, low
+            low = min(low, v)
+            high = max(high, v)
+            total += v
+    return out, low, high, total
 
 
 def check_budget(budget_bytes) -> float:

@@ -21,7 +21,7 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     from lrmoe.planning import policies  # every policy's module: every compiled function is defined
     from lrmoe.planning.plan import nonnegative_copy
-out, low = nonnegative_copy(np.arange(6, dtype=np.int64).reshape(2, 3) - 1)
+out, low, _, _ = nonnegative_copy(np.arange(6, dtype=np.int64).reshape(2, 3) - 1)
 print(json.dumps({"low": int(low), "sum": int(out.sum()), "hits": sum(nonnegative_copy.stats.cache_hits.values()),
                   "misses": sum(nonnegative_copy.stats.cache_misses.values()),
                   "cache": type(nonnegative_copy._cache).__name__,

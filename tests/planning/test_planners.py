@@ -70,6 +70,12 @@ def test_register_custom_policy():
     (dict(d=-np.ones((4, 8))), ">= 0"),
     (dict(d=np.full((4, 8), 0.5)), "whole-number"),
     (dict(d=np.ones((4, 8), dtype=bool)), "integer counts"),
+    # over 2^31 routed pairs: in total (int64 and float), in one entry, in one far past int64 (float)
+    (dict(d=np.full((4, 8), 2**31 // 32 + 1)), r"holds 2,147,483,680 routed pairs; the planners support at most "
+                                                r"2,147,483,648 per MoE layer"),
+    (dict(d=np.full((4, 8), 2**31 // 32 + 1, dtype=np.float64)), "holds 2,147,483,680 routed pairs"),
+    (dict(d=np.eye(4, 8, dtype=np.int64) * 2**40), "holds 4,398,046,511,104 routed pairs"),
+    (dict(d=np.eye(4, 8) * 1e30), r"holds 1,000,000,000,000,000,019,884,624,838,656 routed pairs"),
     (dict(budget=0), "budget_bytes must be a number > 0"),
     (dict(budget=-5.0), "budget_bytes must be a number > 0"),
     (dict(budget=float("nan")), "budget_bytes must be a number > 0"),
@@ -438,3 +444,27 @@ def test_compiled_heap_pops_in_heapq_order():
             popped.append(j)
             expect.append(heapq.heappop(ref)[1])
         assert popped == expect, case
+
+
+def test_every_policy_plans_the_reference_at_the_routed_pair_limit():
+    """At exactly plan.MAX_ROUTED_PAIRS (2^31) routed pairs, one expert holding most of them, the
+    compiled planners' int64 arithmetic (two counts multiplied) gives the frozen reference's plans,
+    unpressured and at 0.8 of the unpressured peak; one more pair is refused (test_bad_inputs)."""
+    from lrmoe.bench.planners import same_plan
+    from lrmoe.planning.plan import MAX_ROUTED_PAIRS
+    from lrmoe.planning.reference import reference_plan
+
+    rng = np.random.default_rng(5)
+    for G, epr, slots in ((1, 3, 4), (2, 2, 3), (4, 1, 3)):
+        cluster, dims = Cluster(G, slots), ModelDims(hidden=16, intermediate=16, num_experts=G * epr, top_k=1)
+        d = np.floor(rng.dirichlet(np.full(G * epr, 0.3), size=G) * (MAX_ROUTED_PAIRS // G)).astype(np.int64)
+        d[0, 0] += MAX_ROUTED_PAIRS - d.sum()
+        peak = plan_placement("fixed", d, cluster, dims, math.inf).memory.peak
+        for name, kw in (("fixed", {}), ("symi", {}), ("ultraep", {}), ("ultraep_greedy", {}),
+                         ("lrmoe", {"drop_ratio": 0.3}), ("lrmoe", {"drop_ratio": 0.3, "quota_policy": "proportional"})):
+            for budget in (math.inf, 0.8 * peak):
+                live, ref = (f(name, d, cluster, dims, budget, **kw) for f in (plan_placement, reference_plan))
+                live.check()
+                assert same_plan(live, ref), (G, epr, name, kw, budget)
+                if live.num_splits == 1:  # a split plan is one piece's
+                    assert live.send_GN.sum() + live.dropped_GE.sum() == MAX_ROUTED_PAIRS
