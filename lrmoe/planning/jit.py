@@ -1,6 +1,7 @@
 """The planners' compiler: :func:`njit`, numba's ``njit`` with the options every planner loop uses.
 
-``nogil=True`` (the runtime may plan on a thread beside the GPU's work) and ``cache=True`` (the
+``nogil=True`` (a caller may plan on a thread beside the GPU's work; planning from several threads at once
+gives the plans of the same calls made one at a time: ``tests/planning/test_planners.py``) and ``cache=True`` (the
 machine code is written once and reloaded by later processes). Where the cache lives is numba's
 rule: ``__pycache__`` beside the source file when that folder is writable, else a per-user cache
 folder (``~/.cache/numba`` style), or ``NUMBA_CACHE_DIR`` when set. Where none of them is writable

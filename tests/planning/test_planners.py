@@ -468,3 +468,36 @@ def test_every_policy_plans_the_reference_at_the_routed_pair_limit():
                 assert same_plan(live, ref), (G, epr, name, kw, budget)
                 if live.num_splits == 1:  # a split plan is one piece's
                     assert live.send_GN.sum() + live.dropped_GE.sum() == MAX_ROUTED_PAIRS
+
+
+def test_planning_from_threads_gives_the_sequential_plans():
+    """The compiled planners release the GIL (numba nogil) and share only read-only constants (the
+    cached problem arrays, replica layouts, checked options): every policy planned from four threads
+    at once, pressured and not, gives the plans (and memory) of the same calls made one at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lrmoe.bench.planners import same_plan
+
+    rng = np.random.default_rng(21)
+    calls = []
+    for _ in range(16):
+        G = int(rng.choice([2, 4, 8]))
+        epr = int(rng.integers(1, 4))
+        cluster = Cluster(G, epr + int(rng.integers(1, 3)))
+        dims = ModelDims(hidden=64, intermediate=32, num_experts=G * epr, top_k=2)
+        d = rng.multinomial(int(rng.integers(50, 5000)), rng.dirichlet(np.full(G * epr, 0.4)), size=G)
+        peak = plan_placement("fixed", d, cluster, dims, math.inf).memory.peak
+        for name, kw in (("fixed", {}), ("symi", {}), ("ultraep", {}), ("ultraep_greedy", {}),
+                         ("lrmoe", {"drop_ratio": 0.2}), ("lrmoe", {"drop_ratio": 0.3, "quota_policy": "proportional"})):
+            calls += [(name, d, cluster, dims, budget, kw) for budget in (math.inf, 0.85 * peak, 0.6 * peak)]
+
+    def run(call):
+        name, d, cluster, dims, budget, kw = call
+        return plan_placement(name, d, cluster, dims, budget, **kw)
+
+    alone = [run(c) for c in calls]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(2):
+            together = list(pool.map(run, calls))
+            assert all(same_plan(a, b) and a.memory.peak == b.memory.peak and a.fallback == b.fallback
+                       for a, b in zip(alone, together))
