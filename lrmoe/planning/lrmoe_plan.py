@@ -332,15 +332,19 @@ class _Options:
 
 def _options(cluster, dims, budget_bytes, drop_ratio, quota_policy, quota_options, replica_slots, backward_weight,
              min_rows, max_drop_ratio, fallback, search_tolerance) -> _Options:
-    """:func:`_make_options`, made once per distinct call (a plan at EP8 costs ~60 us, checking its
-    options 5 of them) when the arguments are hashable. The cache keys on every argument's type
-    (True is not 1) and on the function registered under ``quota_policy`` now (a policy registered
-    again under its name is checked again); a call whose options fail raises every time."""
+    """:func:`_make_options`, made once per distinct call (checking the options cost about 2 of an
+    EP8 plan's 60 us) when every argument is hashable and every quota option a scalar. The cache keys
+    on every argument's type (True is not 1) and on the function registered under ``quota_policy``
+    now (a policy registered again under its name is checked again); a quota option that is a
+    container is not cached (``(1, 2)`` equals ``(1.0, 2.0)``: a policy's check could pass on the
+    other's entry); a call whose options fail raises every time."""
     try:
         opts = tuple(sorted((k, type(v), v) for k, v in quota_options.items())) if quota_options else ()
+        if not all(isinstance(v, _SCALARS) for _, _, v in opts):
+            opts = None
         fn = get_quota_policy(quota_policy)
-    except (TypeError, ValueError, KeyError):  # unhashable, unsortable or unknown: _make_options says which
-        opts, fn = None, None
+    except (TypeError, ValueError, KeyError, AttributeError):  # unhashable, unsortable, not a mapping or
+        opts, fn = None, None  # unknown: _make_options says which
     args = (cluster, dims, budget_bytes, drop_ratio, quota_policy, quota_options, replica_slots, backward_weight,
             min_rows, max_drop_ratio, fallback, search_tolerance)
     if opts is not None:
@@ -349,6 +353,9 @@ def _options(cluster, dims, budget_bytes, drop_ratio, quota_policy, quota_option
         except TypeError:  # an unhashable argument (a check raising TypeError raises it again below)
             pass
     return _make_options(*args)
+
+
+_SCALARS = (bool, int, float, str, bytes, type(None), np.generic)  # option values cached by (type, value)
 
 
 @functools.lru_cache(maxsize=256, typed=True)
@@ -405,7 +412,8 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
     (0: exact, the reference's plans; module docstring)."""
     o = _options(cluster, dims, budget_bytes, drop_ratio, quota_policy, quota_options, replica_slots,
                  backward_weight, min_rows, max_drop_ratio, fallback, search_tolerance)
-    prob, policy_args, quota_options = o.prob, o.policy_args, o.quota_options
+    prob, policy_args = o.prob, o.policy_args
+    quota_options = o.quota_options if quota_options is None else dict(quota_options)  # the caller's objects
     info = {"drop_ratio": drop_ratio, "quota_policy": quota_policy, "search_tolerance": search_tolerance}
     result_args = (cluster, dims, budget_bytes, o.backward_weight, info)
 

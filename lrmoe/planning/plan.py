@@ -405,14 +405,15 @@ def check_inputs(demand_GE, cluster: Cluster, dims: ModelDims, budget_bytes) -> 
             raise ValueError(f"demand_GE must hold integer counts, got dtype {d.dtype}")
         if np.issubdtype(d.dtype, np.floating) and not (np.isfinite(d).all() and (d == np.round(d)).all()):
             raise ValueError("demand_GE must hold whole-number counts")
-        if d.size and (d.max() > MAX_ROUTED_PAIRS or d.min() < 0):  # before the int64 cast (a float may not fit)
-            low, high, total = d.min(), d.max(), 0
+        if d.size and (float(d.max()) > MAX_ROUTED_PAIRS or d.min() < 0):  # before the int64 cast (a float
+            low, high, total = d.min(), float(d.max()), 0  # may not fit); compared as Python floats (no float16 2^31)
         else:
             out, low, high, total = nonnegative_copy(np.ascontiguousarray(d, dtype=np.int64))
     if low < 0:
         raise ValueError(f"demand_GE counts must be >= 0, got minimum {low}")
     if high > MAX_ROUTED_PAIRS or total > MAX_ROUTED_PAIRS:
-        raise ValueError(f"demand_GE holds {max(high, total):,.0f} routed pairs; the planners support at most "
+        exact = sum(int(x) for x in d.ravel().tolist())  # the int64 sum may have wrapped
+        raise ValueError(f"demand_GE holds {exact:,} routed pairs; the planners support at most "
                          f"{MAX_ROUTED_PAIRS:,} per MoE layer (2^31: their int64 arithmetic multiplies two counts)")
     check_budget(budget_bytes)
     return out

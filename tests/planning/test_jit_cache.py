@@ -25,7 +25,7 @@ out, low, _, _ = nonnegative_copy(np.arange(6, dtype=np.int64).reshape(2, 3) - 1
 print(json.dumps({"low": int(low), "sum": int(out.sum()), "hits": sum(nonnegative_copy.stats.cache_hits.values()),
                   "misses": sum(nonnegative_copy.stats.cache_misses.values()),
                   "cache": type(nonnegative_copy._cache).__name__,
-                  "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]}))
+                  "warnings": [str(w.message) for w in caught if "cannot write its cache" in str(w.message)]}))
 """
 
 # every cache location numba tries refuses to be written (what a read-only install meets)
@@ -46,11 +46,12 @@ def run(code: str, env: dict) -> dict:
 
 
 def clean_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "NUMBA_DISABLE_JIT")}
-    return {**env, "PYTHONPATH": str(ROOT), **extra}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
+    return {**env, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])]), **extra}
 
 
 def test_the_cache_is_written_once_and_loaded_by_the_next_process(tmp_path):
+    """What docs/placement.md says of the cache (numba's behaviour, kept by lrmoe.planning.jit.njit)."""
     env = clean_env(NUMBA_CACHE_DIR=str(tmp_path / "numba"))
     first = run(CALL, env)
     assert first["low"] == -1 and first["sum"] == 9  # the copy of [-1..4] and its minimum
@@ -67,4 +68,4 @@ def test_a_read_only_install_plans_without_a_cache_and_says_so(tmp_path):
     assert got["low"] == -1 and got["sum"] == 9 and got["hits"] == 0  # compiled in the process...
     assert got["cache"] == "NullCache"  # ...with no cache
     assert len(got["warnings"]) == 1, got["warnings"]  # once, not once per function
-    assert "cannot write its cache" in got["warnings"][0] and "NUMBA_CACHE_DIR" in got["warnings"][0]
+    assert "NUMBA_CACHE_DIR" in got["warnings"][0]

@@ -294,8 +294,9 @@ def test_user_quota_policy_takes_the_python_kept_pair_search():
 def test_checked_options_are_remembered_per_call_not_across_types_or_policies():
     """plan_lrmoe checks its options once per distinct call (lrmoe_plan._options): a bad option
     still raises on every call, also after the same value of another type (True after 1, in
-    quota_options too) was accepted; a quota policy registered again under its name is used;
-    unhashable quota options (a user policy's array) take the unremembered path and plan the same."""
+    quota_options too, and (1.0, 2.0) after (1, 2)) was accepted; a quota policy registered again
+    under its name is used; unhashable quota options (a user policy's array) and options given as
+    pairs take the unremembered path and plan the same."""
     rng = np.random.default_rng(12)
     cl, dims, d = case(rng, "hot_expert")
     for _ in range(2):
@@ -331,8 +332,31 @@ def test_checked_options_are_remembered_per_call_not_across_types_or_policies():
                            quota_options={"weights": w})
         b = plan_placement("lrmoe", d, cl, dims, math.inf, drop_ratio=0.2)
         assert np.array_equal(a.backward_quota_GN, b.backward_quota_GN) and np.array_equal(a.send_GN, b.send_GN)
+
+        # a container option equal to another of other element types ((1, 2) == (1.0, 2.0)): checked
+        # again, and the policy gets the caller's objects
+        seen = []
+
+        def strict(demand_E, n_keep, weights):
+            if not all(isinstance(x, int) for x in weights):
+                raise ValueError(f"weights must be ints, got {weights}")
+            seen.append(type(weights[0]))
+            return waterfill_quota(demand_E, n_keep)
+
+        register_quota_policy("test_strict", strict)
+        plan_placement("lrmoe", d, cl, dims, 0.7 * b.memory.peak, quota_policy="test_strict",
+                       quota_options={"weights": (1, 2)}, drop_ratio=0.2)
+        with pytest.raises(ValueError, match=r"weights must be ints, got \(1.0, 2.0\)"):
+            plan_placement("lrmoe", d, cl, dims, 0.7 * b.memory.peak, quota_policy="test_strict",
+                           quota_options={"weights": (1.0, 2.0)}, drop_ratio=0.2)
+        assert set(seen) == {int}
+        # quota options given as pairs, as dict() reads them; a bad drop ratio is still reported first
+        c = plan_placement("lrmoe", d, cl, dims, math.inf, quota_options=[("min_keep", 0)], drop_ratio=0.2)
+        assert np.array_equal(c.backward_quota_GN, b.backward_quota_GN)
+        with pytest.raises(ValueError, match="drop_ratio must be a number in"):
+            plan_placement("lrmoe", d, cl, dims, math.inf, quota_options=[("min_keep", 0)], drop_ratio=2.0)
     finally:
-        for name in {"test_order", "test_weights"} & set(quota_policies()):
+        for name in {"test_order", "test_weights", "test_strict"} & set(quota_policies()):
             unregister_quota_policy(name)
 
 

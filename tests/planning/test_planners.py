@@ -75,7 +75,8 @@ def test_register_custom_policy():
                                                 r"2,147,483,648 per MoE layer"),
     (dict(d=np.full((4, 8), 2**31 // 32 + 1, dtype=np.float64)), "holds 2,147,483,680 routed pairs"),
     (dict(d=np.eye(4, 8, dtype=np.int64) * 2**40), "holds 4,398,046,511,104 routed pairs"),
-    (dict(d=np.eye(4, 8) * 1e30), r"holds 1,000,000,000,000,000,019,884,624,838,656 routed pairs"),
+    (dict(d=np.eye(4, 8) * 1e30), r"holds 4,000,000,000,000,000,079,538,499,354,624 routed pairs"),
+    (dict(d=np.full((4, 8), 2**59)), r"holds 18,446,744,073,709,551,616 routed pairs"),  # the int64 sum wraps to 0
     (dict(budget=0), "budget_bytes must be a number > 0"),
     (dict(budget=-5.0), "budget_bytes must be a number > 0"),
     (dict(budget=float("nan")), "budget_bytes must be a number > 0"),
@@ -471,9 +472,11 @@ def test_every_policy_plans_the_reference_at_the_routed_pair_limit():
 
 
 def test_planning_from_threads_gives_the_sequential_plans():
-    """The compiled planners release the GIL (numba nogil) and share only read-only constants (the
-    cached problem arrays, replica layouts, checked options): every policy planned from four threads
-    at once, pressured and not, gives the plans (and memory) of the same calls made one at a time."""
+    """The compiled planners release the GIL (numba nogil) and share read-only constants (the cached
+    problem arrays, replica layouts, checked options; the greedy-pass counter the tests read is
+    shared too, and unreliable under threads): every policy planned from four threads at once,
+    pressured and not, first with those caches empty, gives the plans (and memory) of the same calls
+    made one at a time."""
     from concurrent.futures import ThreadPoolExecutor
 
     from lrmoe.bench.planners import same_plan
@@ -496,8 +499,25 @@ def test_planning_from_threads_gives_the_sequential_plans():
         return plan_placement(name, d, cluster, dims, budget, **kw)
 
     alone = [run(c) for c in calls]
+    from lrmoe.planning import lrmoe_plan
+
+    for cache in (lrmoe_plan._cached_options, lrmoe_plan._planner_problem, lrmoe_plan._layout, lrmoe_plan._receivers):
+        cache.cache_clear()  # the threads fill them concurrently
     with ThreadPoolExecutor(4) as pool:
         for _ in range(2):
             together = list(pool.map(run, calls))
             assert all(same_plan(a, b) and a.memory.peak == b.memory.peak and a.fallback == b.fallback
                        for a, b in zip(alone, together))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.int8, np.uint64])
+def test_demands_of_every_numeric_dtype_plan_without_warnings(dtype):
+    """A demand of small counts in any integer or float dtype plans as its int64 copy does, with no
+    warning (the routed-pair limit is compared as a Python number: float16 cannot hold 2^31)."""
+    import warnings
+
+    d = np.arange(32).reshape(4, 8) % 7
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = plan_placement("fixed", d.astype(dtype), CLUSTER, DIMS, math.inf)
+    assert np.array_equal(got.send_GN, plan_placement("fixed", d, CLUSTER, DIMS, math.inf).send_GN)
