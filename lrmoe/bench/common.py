@@ -22,6 +22,13 @@ def timed(fn, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+def require_positive(ap, args, *names: str) -> None:
+    """``ap.error`` for the first of ``args``' integer options ``names`` (attribute names) below 1."""
+    for name in names:
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+
 def median(xs) -> float:
     return statistics.median(xs) if xs else float("nan")
 

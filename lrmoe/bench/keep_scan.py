@@ -35,7 +35,7 @@ from ..planning.memory import GIB
 from ..planning.plan import split_piece
 from ..planning.policies import plan_placement
 from ..planning.quota import retained_total
-from .common import markdown_table
+from .common import markdown_table, require_positive
 from .planners import EP_SIZES, MODELS, ROUTINGS, cluster_of, dims_of, drifting_trace, trace_seed
 
 POLICY_OPTIONS = {"waterfill": {"drop_ratio": 0.2, "quota_policy": "waterfill"},
@@ -111,9 +111,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("results/bench"), help="output folder for keep_scan.json")
     args = ap.parse_args(argv)
-    for name in ("window", "stride", "steps", "tokens"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    require_positive(ap, args, "window", "stride", "steps", "tokens")
     try:
         only = re.compile(args.only) if args.only else None
     except re.error as e:

@@ -35,7 +35,7 @@ from ..planning import Cluster, ModelDims
 from ..planning.plan import replace_plan
 from ..planning.policies import plan_placement
 from ..planning.reference import reference_plan
-from .common import markdown_table
+from .common import markdown_table, require_positive
 
 # name -> (policy, options): every built-in policy, LRMoE's quota policies and options
 CASES = {"fixed": ("fixed", {}), "fixed_cf": ("fixed", {"capacity_factor": 1.0}),
@@ -159,8 +159,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--strict", action="store_true", help="exit with status 1 when a live plan is worse")
     ap.add_argument("--out", type=Path, default=Path("results/bench"), help="output folder for planner_check.json")
     args = ap.parse_args(argv)
-    if args.cases < 1:
-        ap.error(f"--cases must be >= 1, got {args.cases}")
+    require_positive(ap, args, "cases")
     if args.seed < 0:
         ap.error(f"--seed must be >= 0, got {args.seed}")
     names = [n.strip() for n in args.policies.split(",") if n.strip()]

@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from ..planning.memory import GIB
-from .common import markdown_table
+from .common import markdown_table, require_positive
 from ..planning.plan import Cluster, ModelDims
 from ..planning.policies import plan_placement
 from ..planning.reference import reference_plan
@@ -318,12 +318,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("results/bench"), help="output folder for bench_planners_cpu.json")
     args = ap.parse_args(argv)
-    if args.steps < 1:
-        ap.error(f"--steps must be >= 1, got {args.steps}")
-    if args.rounds < 1:
-        ap.error(f"--rounds must be >= 1, got {args.rounds}")
-    if args.tokens < 1:
-        ap.error(f"--tokens must be >= 1, got {args.tokens}")
+    require_positive(ap, args, "steps", "rounds", "tokens")
     try:
         budgets = [float(b) for b in args.budgets.split(",")]
         if not budgets or any(not b > 0 for b in budgets):

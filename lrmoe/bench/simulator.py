@@ -56,9 +56,9 @@ def parse(argv=None):
     ap.add_argument("--calibration", type=Path, default=Path("results/sim/cpu-local.json"),
                     help="where the cpu-local preset is written (results/sim/cpu-local.json)")
     args = ap.parse_args(argv)
-    for k in ("world", "tokens", "hidden", "intermediate", "experts", "top_k", "steps"):
-        if getattr(args, k) < 1:
-            ap.error(f"--{k.replace('_', '-')} must be >= 1, got {getattr(args, k)}")
+    from .common import require_positive  # lazily, as this module imports torch only where it runs it
+
+    require_positive(ap, args, "world", "tokens", "hidden", "intermediate", "experts", "top_k", "steps")
     if args.experts % args.world:
         ap.error(f"--experts ({args.experts}) must be divisible by --world ({args.world})")
     return args

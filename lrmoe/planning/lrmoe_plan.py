@@ -322,7 +322,6 @@ class _QuotaSearch:
 class _Options:
     """A planner call's options, checked, and the constants they fix (:func:`_options`)."""
 
-    quota_options: dict  # the quota policy's keyword options (shared by the calls: never written)
     policy_args: tuple | None  # the compiled built-in quota policy's arguments, None for a user policy
     prob: tuple  # the compiled searches' constants (_planner_problem)
     backward_weight: float
@@ -391,7 +390,7 @@ def _make_options(cluster, dims, budget_bytes, drop_ratio, quota_policy, quota_o
     keep, keep_max = keep_fraction(drop_ratio), keep_fraction(max_drop_ratio)
     # the compiled built-in policies' arguments after the demand piece and the constants
     policy_args = None if builtin is None else (builtin[0], builtin[1], keep.numerator, keep.denominator)
-    return _Options(quota_options, policy_args, prob, bw, (keep.numerator, keep.denominator),
+    return _Options(policy_args, prob, bw, (keep.numerator, keep.denominator),
                     (keep_max.numerator, keep_max.denominator))
 
 
@@ -413,7 +412,7 @@ def plan_lrmoe(demand_GE, cluster, dims, budget_bytes, *, state=None, drop_ratio
     o = _options(cluster, dims, budget_bytes, drop_ratio, quota_policy, quota_options, replica_slots,
                  backward_weight, min_rows, max_drop_ratio, fallback, search_tolerance)
     prob, policy_args = o.prob, o.policy_args
-    quota_options = o.quota_options if quota_options is None else dict(quota_options)  # the caller's objects
+    quota_options = dict(quota_options or {})  # the caller's own objects, not a cached call's equal ones
     info = {"drop_ratio": drop_ratio, "quota_policy": quota_policy, "search_tolerance": search_tolerance}
     result_args = (cluster, dims, budget_bytes, o.backward_weight, info)
 
